@@ -1,0 +1,72 @@
+"""outbox-kafka: the transactional outbox for PostgreSQL and Apache Kafka.
+
+Producers call :func:`enqueue` (or :meth:`Outbox.enqueue`) inside their own
+SQLAlchemy transaction; the relay (``outbox-kafka relay``) publishes committed
+events to Kafka in per-key commit order.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    ConfigurationError,
+    DataSchemaViolation,
+    DuplicateEventId,
+    EnvelopeInvalid,
+    EventError,
+    InvalidAttribute,
+    InvalidData,
+    InvalidEventType,
+    InvalidHeaders,
+    InvalidIdentifier,
+    InvalidKey,
+    InvalidTimestamp,
+    InvalidTopic,
+    MessageTooLarge,
+    MigrationError,
+    MissingTopic,
+    OutboxError,
+    SchemaError,
+    StorageError,
+    UnknownEventType,
+    UnsafeConnection,
+)
+from .migrations import migrate, migration_script
+from .naming import TableNames
+from .outbox import Event, Outbox, Route, configure, default_outbox, enqueue, enqueue_many
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "DataSchemaViolation",
+    "DuplicateEventId",
+    "EnvelopeInvalid",
+    "Event",
+    "EventError",
+    "InvalidAttribute",
+    "InvalidData",
+    "InvalidEventType",
+    "InvalidHeaders",
+    "InvalidIdentifier",
+    "InvalidKey",
+    "InvalidTimestamp",
+    "InvalidTopic",
+    "MessageTooLarge",
+    "MigrationError",
+    "MissingTopic",
+    "Outbox",
+    "OutboxError",
+    "Route",
+    "SchemaError",
+    "StorageError",
+    "TableNames",
+    "UnknownEventType",
+    "UnsafeConnection",
+    "__version__",
+    "configure",
+    "default_outbox",
+    "enqueue",
+    "enqueue_many",
+    "migrate",
+    "migration_script",
+]

@@ -1,0 +1,101 @@
+"""Names of the outbox's database objects, validated once and quoted.
+
+Table and schema names are configurable; they end up inside SQL text, so they
+are held to a strict identifier pattern here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidIdentifier
+
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
+# PostgreSQL truncates identifiers at 63 bytes; the longest suffix added here
+# is "_discarded_idx" (14), so the base name must leave room for it.
+_MAX_BASE = 63 - len("_discarded_idx")
+
+
+def validate_identifier(value: str, what: str, *, max_length: int = 63) -> str:
+    """Return ``value`` if it is a lower-case SQL identifier, else raise."""
+    if not isinstance(value, str) or not _IDENTIFIER.fullmatch(value):
+        raise InvalidIdentifier(
+            f"{what} {value!r} is not a valid identifier: use lower-case letters, "
+            "digits and underscores, starting with a letter or underscore"
+        )
+    if len(value) > max_length:
+        raise InvalidIdentifier(f"{what} {value!r} is longer than {max_length} characters")
+    return value
+
+
+def _quote(identifier: str) -> str:
+    return f'"{identifier}"'
+
+
+@dataclass(frozen=True)
+class TableNames:
+    """The objects that make up one outbox: events, key queue, key counters."""
+
+    table: str = "outbox"
+    schema: str = "public"
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.table, "table name", max_length=_MAX_BASE)
+        validate_identifier(self.schema, "schema name")
+
+    @property
+    def events(self) -> str:
+        return self.table
+
+    @property
+    def keys(self) -> str:
+        return f"{self.table}_keys"
+
+    @property
+    def seqs(self) -> str:
+        return f"{self.table}_key_seq"
+
+    @property
+    def versions(self) -> str:
+        return f"{self.table}_migrations"
+
+    @property
+    def channel(self) -> str:
+        """The LISTEN/NOTIFY channel committed enqueues wake the relay on."""
+        return f"outbox_kafka.{self.schema}.{self.table}"
+
+    @property
+    def qualified_events(self) -> str:
+        return f"{self.schema}.{self.table}"
+
+    def lock_id(self, purpose: str) -> int:
+        """A stable signed 64-bit advisory-lock id for ``purpose`` on this outbox."""
+        digest = hashlib.blake2b(
+            f"outbox-kafka:{purpose}:{self.schema}.{self.table}".encode(), digest_size=8
+        ).digest()
+        return int.from_bytes(digest, "big", signed=True)
+
+    def placeholders(self) -> dict[str, str]:
+        """Values for the ``{name}`` placeholders in the SQL files."""
+        s = _quote(self.schema)
+        values = {
+            "schema": s,
+            "events": f"{s}.{_quote(self.events)}",
+            "keys": f"{s}.{_quote(self.keys)}",
+            "seqs": f"{s}.{_quote(self.seqs)}",
+            "versions": f"{s}.{_quote(self.versions)}",
+            "channel": _quote(self.channel),
+        }
+        for suffix in (
+            "status_check",
+            "attempts_check",
+            "key_seq_key",
+            "pending_idx",
+            "delivered_idx",
+            "discarded_idx",
+        ):
+            values[f"events_{suffix}"] = _quote(f"{self.table}_{suffix}")
+        values["keys_due_idx"] = _quote(f"{self.keys}_due_idx")
+        return values

@@ -1,0 +1,88 @@
+"""Loads the named SQL statements of ``sql/queries.sql`` and the migrations.
+
+Statements are kept in SQL files, one per ``-- name:`` block, and rendered
+once per outbox with its quoted table names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from sqlalchemy import TextClause, text
+
+from .naming import TableNames
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_MIGRATION_FILE = re.compile(r"(\d{4})_(\w+)\.sql")
+
+
+def _sql_file(*parts: str) -> str:
+    return resources.files("outbox_kafka").joinpath("sql", *parts).read_text(encoding="utf-8")
+
+
+@cache
+def raw_queries() -> dict[str, str]:
+    """Every named statement, unrendered, keyed by name."""
+    source = _sql_file("queries.sql")
+    chunks = _NAME.split(source)
+    queries: dict[str, str] = {}
+    for name, body in zip(chunks[1::2], chunks[2::2], strict=True):
+        if name in queries:
+            raise RuntimeError(f"query {name!r} is defined twice in queries.sql")
+        queries[name] = body.strip()
+    return queries
+
+
+def render(sql: str, names: TableNames) -> str:
+    """Substitute the ``{name}`` placeholders; unknown braces are left alone."""
+    values = names.placeholders()
+    return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), sql)
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+@cache
+def raw_migrations() -> tuple[Migration, ...]:
+    """The versioned migrations, in order, unrendered."""
+    folder = resources.files("outbox_kafka").joinpath("sql", "migrations")
+    found = []
+    for entry in folder.iterdir():
+        match = _MIGRATION_FILE.fullmatch(entry.name)
+        if match:
+            found.append(
+                Migration(int(match.group(1)), match.group(2), entry.read_text(encoding="utf-8"))
+            )
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"migrations must be numbered 1..n without gaps, found {versions}")
+    return tuple(found)
+
+
+class Queries:
+    """The named statements of one outbox, rendered and ready to execute."""
+
+    def __init__(self, names: TableNames) -> None:
+        self.names = names
+        self.sql = {name: render(body, names) for name, body in raw_queries().items()}
+        self._text = {name: text(body) for name, body in self.sql.items()}
+
+    def __getitem__(self, name: str) -> TextClause:
+        return self._text[name]
+
+    def migrations(self) -> list[Migration]:
+        return [Migration(m.version, m.name, render(m.sql, self.names)) for m in raw_migrations()]
+
+
+@cache
+def queries_for(names: TableNames) -> Queries:
+    return Queries(names)
