@@ -91,7 +91,7 @@ class TableNames:
         for suffix in (
             "status_check",
             "attempts_check",
-            "key_seq_key",
+            "claim_idx",
             "pending_idx",
             "delivered_idx",
             "discarded_idx",

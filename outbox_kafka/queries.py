@@ -12,12 +12,14 @@ from functools import cache
 from importlib import resources
 
 from sqlalchemy import TextClause, text
+from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
 
 from .naming import TableNames
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _MIGRATION_FILE = re.compile(r"(\d{4})_(\w+)\.sql")
+_PSYCOPG2 = PGDialect_psycopg2()  # type: ignore[no-untyped-call]
 
 
 def _sql_file(*parts: str) -> str:
@@ -33,7 +35,9 @@ def raw_queries() -> dict[str, str]:
     for name, body in zip(chunks[1::2], chunks[2::2], strict=True):
         if name in queries:
             raise RuntimeError(f"query {name!r} is defined twice in queries.sql")
-        queries[name] = body.strip()
+        # Comments stay in the file for readers; statements are sent without them.
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        queries[name] = "\n".join(lines).strip()
     return queries
 
 
@@ -75,9 +79,18 @@ class Queries:
         self.names = names
         self.sql = {name: render(body, names) for name, body in raw_queries().items()}
         self._text = {name: text(body) for name, body in self.sql.items()}
+        self._driver: dict[str, str] = {}
 
     def __getitem__(self, name: str) -> TextClause:
         return self._text[name]
+
+    def driver_sql(self, name: str) -> str:
+        """The statement in psycopg2's ``%(name)s`` style, for the relay's hot path."""
+        cached = self._driver.get(name)
+        if cached is None:
+            compiled = self._text[name].compile(dialect=_PSYCOPG2)
+            cached = self._driver[name] = str(compiled)
+        return cached
 
     def migrations(self) -> list[Migration]:
         return [Migration(m.version, m.name, render(m.sql, self.names)) for m in raw_migrations()]

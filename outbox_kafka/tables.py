@@ -21,7 +21,6 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
-    UniqueConstraint,
     Uuid,
     func,
     text,
@@ -66,12 +65,23 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Column("kafka_partition", Integer),
         Column("kafka_offset", BigInteger),
         Column("last_error", Text),
-        Column("created_at", DateTime(timezone=True), nullable=False, server_default=now),
+        Column(
+            "created_at",
+            DateTime(timezone=True),
+            nullable=False,
+            server_default=func.clock_timestamp(),
+        ),
         CheckConstraint(
             "status IN ('pending', 'delivered', 'discarded')", name=f"{names.table}_status_check"
         ),
         CheckConstraint("attempts >= 0", name=f"{names.table}_attempts_check"),
-        UniqueConstraint("ordering_key", "seq", name=f"{names.table}_key_seq_key"),
+        Index(
+            f"{names.table}_claim_idx",
+            "ordering_key",
+            "seq",
+            unique=True,
+            postgresql_where=text("status = 'pending'"),
+        ),
         Index(
             f"{names.table}_pending_idx", "created_at", postgresql_where=text("status = 'pending'")
         ),

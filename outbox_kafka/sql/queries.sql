@@ -88,7 +88,7 @@ WITH candidates AS (
 )
 SELECT c.ordering_key,
        c.next_seq,
-       e.event_id,
+       CAST(e.event_id AS text) AS event_id,
        e.seq,
        e.topic,
        e.type,
@@ -98,7 +98,7 @@ SELECT c.ordering_key,
        e.attempts,
        e.available_at,
        e.available_at <= now() AS due,
-       EXTRACT(EPOCH FROM e.created_at) AS created_epoch
+       EXTRACT(EPOCH FROM e.available_at - now()) AS wait_seconds
 FROM claimed c
 LEFT JOIN LATERAL (
     SELECT *
@@ -181,12 +181,13 @@ WITH batch_keys AS (
     WHERE e.event_id = r.event_id
       AND e.status = 'pending'
       AND r.ordering_key IN (SELECT ordering_key FROM owned)
-    RETURNING e.event_id, e.status
+    RETURNING e.event_id, e.status, EXTRACT(EPOCH FROM now() - e.created_at) AS latency
 )
 SELECT (SELECT count(*) FROM owned) AS keys_owned,
        (SELECT count(*) FROM marked WHERE status = 'delivered') AS delivered,
        (SELECT count(*) FROM marked WHERE status = 'discarded') AS discarded,
-       (SELECT count(*) FROM marked WHERE status = 'pending') AS retried;
+       (SELECT count(*) FROM marked WHERE status = 'pending') AS retried,
+       (SELECT array_agg(latency) FROM marked WHERE status = 'delivered') AS latencies;
 
 -- name: requeue_events
 -- Puts discarded events back to pending and makes sure their keys are queued

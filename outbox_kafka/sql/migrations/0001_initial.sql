@@ -18,11 +18,17 @@ CREATE TABLE {events} (
     kafka_partition integer,
     kafka_offset    bigint,
     last_error      text,
-    created_at      timestamptz NOT NULL DEFAULT now(),
+    -- clock_timestamp(), not now(): the time of the write, not of the start of
+    -- the producer's transaction, so commit-to-ack latency is not inflated.
+    created_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
     CONSTRAINT {events_status_check} CHECK (status IN ('pending', 'delivered', 'discarded')),
-    CONSTRAINT {events_attempts_check} CHECK (attempts >= 0),
-    CONSTRAINT {events_key_seq_key} UNIQUE (ordering_key, seq)
+    CONSTRAINT {events_attempts_check} CHECK (attempts >= 0)
 );
+
+-- The claim's index: a key's pending events in sequence order. The claim
+-- reads it from the key's next_seq with a LIMIT, so its cost does not depend
+-- on how many events are pending, for that key or any other.
+CREATE UNIQUE INDEX {events_claim_idx} ON {events} (ordering_key, seq) WHERE status = 'pending';
 
 -- Oldest pending event, cheaply, at any backlog size.
 CREATE INDEX {events_pending_idx} ON {events} (created_at) WHERE status = 'pending';

@@ -1,0 +1,115 @@
+"""The relay's Prometheus metrics, in base units, on an injectable registry."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+if TYPE_CHECKING:
+    from .settings import RelaySettings
+
+log = logging.getLogger("outbox_kafka.metrics")
+
+_BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RelayMetrics:
+    """Every metric the relay exports; pass a registry to keep tests isolated."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.published = Counter(
+            "outbox_events_published", "Events Kafka acknowledged.", ["topic"], registry=r
+        )
+        self.retried = Counter(
+            "outbox_events_retried",
+            "Failed sends that will be retried after a backoff.",
+            ["topic", "reason"],
+            registry=r,
+        )
+        self.discarded = Counter(
+            "outbox_events_discarded",
+            "Events set aside as undeliverable.",
+            ["topic", "reason"],
+            registry=r,
+        )
+        self.leases_lost = Counter(
+            "outbox_leases_lost",
+            "Keys whose lease another relay took over while this relay was sending.",
+            registry=r,
+        )
+        self.db_errors = Counter(
+            "outbox_database_errors", "Database errors the relay retried.", registry=r
+        )
+        self.purged = Counter(
+            "outbox_events_purged",
+            "Delivered or discarded events removed by retention.",
+            registry=r,
+        )
+        self.claim_seconds = Histogram(
+            "outbox_claim_duration_seconds",
+            "Time to claim one batch.",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            "outbox_publish_duration_seconds",
+            "Time from handing a batch to the producer to its last delivery report.",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.mark_seconds = Histogram(
+            "outbox_mark_duration_seconds",
+            "Time to record one batch's outcome.",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.commit_to_ack_seconds = Histogram(
+            "outbox_commit_to_ack_seconds",
+            "Time from an event's write to its recorded acknowledgement (database clock).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kafka_queue_messages = Gauge(
+            "outbox_kafka_producer_queue_messages",
+            "Messages in the producer's local queue (librdkafka statistics).",
+            registry=r,
+        )
+        self.kafka_rtt_seconds = Gauge(
+            "outbox_kafka_broker_rtt_seconds",
+            "Average broker round-trip time (librdkafka statistics).",
+            ["broker"],
+            registry=r,
+        )
+        self.info = Info("outbox_relay", "Relay version and settings digest.", registry=r)
+
+    def set_info(self, settings: RelaySettings) -> None:
+        from . import __version__
+
+        self.info.info(
+            {
+                "version": __version__,
+                "settings_digest": settings.digest(),
+                "table": settings.names.qualified_events,
+                "on_exhausted": settings.on_exhausted,
+            }
+        )
+
+    def observe_librdkafka_stats(self, payload: str) -> None:
+        """The producer's ``stats_cb``: copy a few librdkafka statistics into gauges."""
+        try:
+            stats = json.loads(payload)
+            self.kafka_queue_messages.set(float(stats.get("msg_cnt", 0)))
+            for broker in stats.get("brokers", {}).values():
+                rtt = broker.get("rtt", {})
+                if broker.get("nodeid", -1) >= 0 and rtt.get("cnt", 0):
+                    self.kafka_rtt_seconds.labels(broker=str(broker["nodeid"])).set(
+                        rtt.get("avg", 0) / 1_000_000
+                    )
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.debug("unreadable librdkafka statistics: %s", exc)

@@ -1,0 +1,265 @@
+"""The relay's Kafka boundary: one idempotent producer, a batch in flight, one wait.
+
+Everything confluent-kafka raises or reports is translated here into a
+:class:`Delivery` with a plain verdict (delivered, retriable, permanent), so
+the relay loop never imports confluent_kafka.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from .errors import ConfigurationError
+from .validation import envelope_schema
+
+log = logging.getLogger("outbox_kafka.publisher")
+
+DELIVERED = "delivered"
+RETRIABLE = "retriable"
+PERMANENT = "permanent"
+
+# Errors no retry can fix: the event is set aside at once.
+_PERMANENT_CODES = {
+    KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError.INVALID_MSG_SIZE,
+    KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.INVALID_RECORD,
+    KafkaError.TOPIC_EXCEPTION,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._INVALID_ARG,
+}
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message to send, as stored by the producer side."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+
+@dataclass
+class Delivery:
+    verdict: str = RETRIABLE
+    partition: int | None = None
+    offset: int | None = None
+    error: str | None = None
+    sent: bool = False
+    reported: bool = False
+    fatal: bool = False
+
+
+def _verdict(err: KafkaError) -> str:
+    if err.fatal():
+        return RETRIABLE  # the producer is rebuilt; the event itself is fine
+    if err.code() in _PERMANENT_CODES:
+        return PERMANENT
+    return RETRIABLE
+
+
+def _describe(err: KafkaError) -> str:
+    return f"{err.name()}: {err.str()}"
+
+
+def check_envelope(value: bytes, event_id: str, key: str) -> str | None:
+    """Why ``value`` is not a sendable envelope for this event, or None."""
+    try:
+        envelope = json.loads(value)
+    except ValueError as exc:
+        return f"envelope is not JSON: {exc}"
+    problem = envelope_schema().first_error(envelope)
+    if problem is not None:
+        return f"envelope fails schemas/cloudevent.json: {problem}"
+    if envelope.get("id") != event_id:
+        return "envelope id does not match the event id"
+    if envelope.get("partitionkey") != key:
+        return "envelope partitionkey does not match the ordering key"
+    return None
+
+
+class Publisher:
+    """Sends batches with an idempotent producer and reports each message's fate."""
+
+    def __init__(
+        self,
+        producer_config: dict[str, str],
+        admin_config: dict[str, Any],
+        *,
+        create_partitions: int | None = None,
+        stats_callback: Callable[[str], None] | None = None,
+    ) -> None:
+        self._config = dict(producer_config)
+        if stats_callback is not None:
+            self._config["stats_cb"] = stats_callback  # type: ignore[assignment]
+        self._admin_config = admin_config
+        self._create_partitions = create_partitions
+        self._known_topics: set[str] = set()
+        self._missing_checked: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.max_message_bytes = int(producer_config.get("message.max.bytes", 1_000_000))
+        self._producer = self._new_producer()
+        self._admin: AdminClient | None = None
+
+    def _new_producer(self) -> Producer:
+        try:
+            return Producer(self._config)
+        except (KafkaException, ValueError, TypeError) as exc:
+            raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
+
+    def _admin_client(self) -> AdminClient:
+        if self._admin is None:
+            try:
+                self._admin = AdminClient(self._admin_config)
+            except (KafkaException, ValueError, TypeError) as exc:
+                raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
+        return self._admin
+
+    # Topics ---------------------------------------------------------------
+
+    def topic_problem(self, topic: str) -> tuple[str, str] | None:
+        """``(verdict, reason)`` if messages to ``topic`` cannot be sent now."""
+        if topic in self._known_topics:
+            return None
+        try:
+            metadata = self._producer.list_topics(timeout=5)
+        except KafkaException as exc:
+            return RETRIABLE, f"METADATA_UNAVAILABLE: cannot read topic metadata: {exc}"
+        for name, meta in metadata.topics.items():
+            if meta.error is None:
+                self._known_topics.add(name)
+        if topic in self._known_topics:
+            return None
+        if self._create_partitions:
+            return self._create(topic)
+        return (
+            PERMANENT,
+            f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
+            "(create it, or run the relay with --create-topics N)",
+        )
+
+    def _create(self, topic: str) -> tuple[str, str] | None:
+        assert self._create_partitions is not None
+        futures = self._admin_client().create_topics(
+            [NewTopic(topic, self._create_partitions, -1)], request_timeout=10
+        )
+        try:
+            futures[topic].result(timeout=15)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
+                return RETRIABLE, f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc}"
+        log.info(
+            "created topic",
+            extra={"action": "create_topic", "topic": topic, "partitions": self._create_partitions},
+        )
+        self._known_topics.add(topic)
+        return None
+
+    # Sending --------------------------------------------------------------
+
+    def send(
+        self, messages: Sequence[Message], *, timeout: float, hold_after_permanent: bool
+    ) -> list[Delivery]:
+        """Produce every message, wait once for all reports, return one Delivery each.
+
+        When ``produce()`` itself refuses a message, the later messages of the
+        same ordering key are not handed over in this batch (their Delivery
+        has ``sent=False``): after a retriable refusal always, after a
+        permanent one when ``hold_after_permanent`` is set.
+        """
+        deliveries = [Delivery() for _ in messages]
+        held: set[bytes] = set()
+        produce = self._producer.produce
+        for msg, delivery in zip(messages, deliveries, strict=True):
+            if msg.key in held:
+                continue
+            delivery.sent = True
+            try:
+                self._produce_one(produce, msg, partial(self._on_delivery, delivery))
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                delivery.reported = True
+                if isinstance(err, KafkaError):
+                    delivery.verdict = _verdict(err)
+                    delivery.error = _describe(err)
+                else:
+                    delivery.verdict = RETRIABLE
+                    delivery.error = str(exc)
+                if delivery.verdict == RETRIABLE or hold_after_permanent:
+                    held.add(msg.key)
+        self._wait(deliveries, timeout)
+        return deliveries
+
+    def _produce_one(self, produce: Any, msg: Message, callback: Any) -> None:
+        while True:
+            try:
+                produce(msg.topic, msg.value, msg.key, headers=msg.headers, on_delivery=callback)
+                return
+            except BufferError:
+                # Local queue full: serve delivery reports to make room.
+                self._producer.poll(0.05)
+
+    @staticmethod
+    def _on_delivery(delivery: Delivery, err: KafkaError | None, msg: Any) -> None:
+        delivery.reported = True
+        if err is None:
+            delivery.verdict = DELIVERED
+            delivery.partition = msg.partition()
+            delivery.offset = msg.offset()
+        else:
+            delivery.verdict = _verdict(err)
+            delivery.error = _describe(err)
+            delivery.fatal = bool(err.fatal())
+
+    def _wait(self, deliveries: list[Delivery], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        remaining = self._producer.flush(timeout)
+        while remaining and time.monotonic() < deadline:
+            remaining = self._producer.flush(max(0.0, deadline - time.monotonic()))
+        for d in deliveries:
+            if d.sent and not d.reported:
+                d.error = "NO_REPORT: no delivery report before the relay's wait ran out"
+        if any(d.fatal for d in deliveries):
+            self.rebuild()
+
+    def rebuild(self) -> None:
+        """Replace a producer that hit a fatal error (its idempotence state is gone)."""
+        log.warning(
+            "rebuilding the Kafka producer after a fatal error", extra={"action": "rebuild"}
+        )
+        old = self._producer
+        self._producer = self._new_producer()
+        with contextlib.suppress(KafkaException):
+            old.flush(0)
+
+    def pending(self) -> int:
+        return len(self._producer)
+
+    def poll(self, timeout: float = 0.0) -> None:
+        self._producer.poll(timeout)
+
+    def ping(self, timeout: float = 5.0) -> None:
+        """Raise :class:`ConnectionError` unless a broker answers a metadata request."""
+        try:
+            self._producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            raise ConnectionError(f"Kafka is not reachable: {exc}") from None
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._producer.flush(timeout)

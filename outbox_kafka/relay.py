@@ -1,0 +1,485 @@
+"""The relay loop: claim a batch, publish it, record the outcome, repeat.
+
+One cycle is: claim (one short transaction) -> check and produce every
+claimed event -> wait once for all delivery reports -> record the outcome
+(one fenced statement). No transaction is open while messages are in flight.
+This module is the relay's engine; the producer-facing API never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    wait_exponential_jitter,
+)
+
+from .envelope import check_topic
+from .errors import EventError, StorageError
+from .metrics import RelayMetrics
+from .publisher import DELIVERED, PERMANENT, Delivery, Message, Publisher, check_envelope
+from .settings import RelaySettings
+from .store import Claim, ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome, Store
+
+log = logging.getLogger("outbox_kafka.relay")
+
+T = TypeVar("T")
+
+
+@dataclass
+class CycleReport:
+    """What one cycle did; ``drain()`` sums these."""
+
+    keys: int = 0
+    sent: int = 0
+    delivered: int = 0
+    retried: int = 0
+    discarded: int = 0
+    leases_lost: int = 0
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Exponential backoff with jitter: uniform in [d/2, d], d = min(cap, base * 2**(attempt-1))."""
+    ceiling: float = min(cap, base * 2.0 ** max(0, min(attempt - 1, 62)))
+    return ceiling / 2 + rng.random() * ceiling / 2
+
+
+class Relay:
+    """Publishes committed outbox events to Kafka.
+
+    ``run()`` loops until :meth:`stop`; ``drain()`` publishes everything due
+    and returns. Both are synchronous; call :meth:`stop` from a signal
+    handler or another thread.
+    """
+
+    def __init__(
+        self,
+        settings: RelaySettings,
+        *,
+        metrics: RelayMetrics | None = None,
+        store: Store | None = None,
+        publisher: Publisher | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or RelayMetrics()
+        self.metrics.set_info(settings)
+        self.store = store or Store(settings.database_url, settings.names)
+        self.publisher = publisher or Publisher(
+            settings.producer_config(),
+            settings.admin_config(),
+            create_partitions=settings.create_topics,
+            stats_callback=self.metrics.observe_librdkafka_stats,
+        )
+        self._stop = threading.Event()
+        self._stop_deadline: float | None = None
+        self._rng = random.Random()
+        self._last_purge = 0.0
+        self.last_cycle_at: float | None = None
+        self._send_timeout = settings.effective_delivery_timeout_ms / 1000 + 5.0
+
+    # Control -----------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; the batch in flight is flushed and recorded, then run() returns."""
+        if not self._stop.is_set():
+            self._stop_deadline = time.monotonic() + self.settings.shutdown_timeout
+            self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """Relay until :meth:`stop` is called."""
+        log.info(
+            "relay started",
+            extra={
+                "action": "start",
+                "relay_id": self.settings.relay_id,
+                "database": self.store.url_for_logs,
+                "table": self.settings.names.qualified_events,
+            },
+        )
+        try:
+            while not self._stop.is_set():
+                report = self._guarded_cycle()
+                self._maybe_purge()
+                if report is None or report.sent == 0:
+                    self._idle_wait()
+        finally:
+            self.close()
+            log.info("relay stopped", extra={"action": "stop", "relay_id": self.settings.relay_id})
+
+    def drain(self) -> CycleReport:
+        """Publish everything due now, then return what was done (the relay stays open)."""
+        total = CycleReport()
+        while not self._stop.is_set():
+            report = self._guarded_cycle()
+            if report is None:
+                continue
+            for name in vars(total):
+                setattr(total, name, getattr(total, name) + getattr(report, name))
+            if report.sent == 0 and report.keys == 0:
+                break
+            if report.sent == 0 and report.delivered == 0 and report.discarded == 0:
+                # Only empty or not-yet-due keys were claimed: nothing more is due.
+                break
+        return total
+
+    def close(self) -> None:
+        self.publisher.close(timeout=min(5.0, self.settings.shutdown_timeout))
+        self.store.close()
+
+    # The cycle ---------------------------------------------------------------
+
+    def _guarded_cycle(self) -> CycleReport | None:
+        try:
+            return self.cycle()
+        except StorageError as exc:
+            # cycle() already retried; only a stop request gets us here.
+            log.warning("database unavailable", extra={"action": "db_error", "error": str(exc)})
+            return None
+
+    def cycle(self) -> CycleReport:
+        """One claim -> publish -> record round."""
+        started = time.monotonic()
+        claim = self._with_db_retry(
+            lambda: self.store.claim(
+                batch_size=self.settings.batch_size, lease_seconds=self.settings.lease_seconds
+            ),
+            stop_on_shutdown=True,
+        )
+        self.metrics.claim_seconds.observe(time.monotonic() - started)
+        report = CycleReport(keys=len(claim.keys))
+        if not claim.keys:
+            self.last_cycle_at = time.monotonic()
+            return report
+
+        publish_started = time.monotonic()
+        key_outcomes, event_outcomes, report.sent = self._publish(claim)
+        self.metrics.publish_seconds.observe(time.monotonic() - publish_started)
+
+        mark_started = time.monotonic()
+        result = self._with_db_retry(
+            lambda: self.store.finish(claim.token, key_outcomes, event_outcomes),
+            stop_on_shutdown=False,
+        )
+        self.metrics.mark_seconds.observe(time.monotonic() - mark_started)
+        report.delivered = result.delivered
+        report.retried = result.retried
+        report.discarded = result.discarded
+        report.leases_lost = len(key_outcomes) - result.keys_owned
+        if report.leases_lost:
+            self.metrics.leases_lost.inc(report.leases_lost)
+            log.warning(
+                "lease lost: another relay took over keys while this batch was in flight",
+                extra={"action": "lease_lost", "keys": report.leases_lost},
+            )
+        for latency in result.latencies:
+            self.metrics.commit_to_ack_seconds.observe(latency)
+        self.last_cycle_at = time.monotonic()
+        return report
+
+    def _publish(self, claim: Claim) -> tuple[list[KeyOutcome], list[EventOutcome], int]:
+        """Send the claimed events; decide every key's and event's next state."""
+        settings = self.settings
+        park = settings.on_exhausted == "park"
+        key_outcomes: list[KeyOutcome] = []
+        plans: list[tuple[ClaimedKey, list[ClaimedEvent], KeyOutcome | None]] = []
+        to_send: list[Message] = []
+        sendable: list[ClaimedEvent] = []
+        precheck: dict[int, tuple[str, str]] = {}
+
+        for ck in claim.keys:
+            due: list[ClaimedEvent] = []
+            for event in ck.events:
+                if not event.due:
+                    break
+                due.append(event)
+            if not due:
+                # Nothing to send now: the key is empty, or its next event is not due yet.
+                if ck.events:
+                    wait = max(0.0, ck.events[0].wait_seconds)
+                    key_outcomes.append(KeyOutcome(ck.key, ck.next_seq, wait, False, False))
+                else:
+                    key_outcomes.append(KeyOutcome(ck.key, ck.next_seq, 0.0, False, True))
+                continue
+            plans.append((ck, due, None))
+            for event in due:
+                problem = self._precheck(event)
+                if problem is not None:
+                    precheck[id(event)] = problem
+                    continue
+                sendable.append(event)
+                to_send.append(Message(event.topic, event.key.encode(), event.value, event.headers))
+
+        deliveries_by_event: dict[int, Delivery] = {}
+        if to_send:
+            deliveries = self.publisher.send(
+                to_send, timeout=self._send_timeout, hold_after_permanent=park
+            )
+            deliveries_by_event = {id(e): d for e, d in zip(sendable, deliveries, strict=True)}
+
+        event_outcomes: list[EventOutcome] = []
+        for ck, due, _ in plans:
+            outcome = self._settle_key(
+                ck, due, precheck, deliveries_by_event, event_outcomes, claim.per_key_limit
+            )
+            key_outcomes.append(outcome)
+        return key_outcomes, event_outcomes, len(to_send)
+
+    def _precheck(self, event: ClaimedEvent) -> tuple[str, str] | None:
+        """Problems found before handing the message over: (verdict, reason)."""
+        try:
+            check_topic(event.topic)
+        except EventError as exc:
+            return PERMANENT, f"INVALID_TOPIC: {exc.reason}"
+        problem = check_envelope(event.value, event.event_id, event.key)
+        if problem is not None:
+            return PERMANENT, f"INVALID_ENVELOPE: {problem}"
+        size = (
+            len(event.value)
+            + len(event.key.encode())
+            + sum(len(n) + len(v) for n, v in event.headers)
+        )
+        if size > self.publisher.max_message_bytes:
+            return (
+                PERMANENT,
+                f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over the producer's "
+                f"message.max.bytes ({self.publisher.max_message_bytes})",
+            )
+        return self.publisher.topic_problem(event.topic)
+
+    def _settle_key(
+        self,
+        ck: ClaimedKey,
+        due: list[ClaimedEvent],
+        precheck: dict[int, tuple[str, str]],
+        deliveries: dict[int, Delivery],
+        out: list[EventOutcome],
+        per_key_limit: int,
+    ) -> KeyOutcome:
+        """Walk one key's events in sequence order and decide what happens next.
+
+        Delivered events are recorded as delivered whatever happened before
+        them (that is the truth in Kafka). The first event that failed
+        retriably holds the key: it is retried after a backoff and nothing
+        after it is sent until it succeeds or is discarded.
+        """
+        settings = self.settings
+        park = settings.on_exhausted == "park"
+        next_seq = due[-1].seq + 1
+        delay = 0.0
+        parked = False
+        blocked = False
+        for event in due:
+            problem = precheck.get(id(event))
+            delivery = deliveries.get(id(event))
+            if problem is not None:
+                verdict, error = problem
+            elif delivery is None or not delivery.sent:
+                verdict, error = "unsent", None
+            elif not delivery.reported:
+                verdict, error = "unreported", delivery.error
+            else:
+                verdict, error = delivery.verdict, delivery.error
+
+            if verdict == DELIVERED:
+                assert delivery is not None
+                out.append(
+                    EventOutcome(
+                        event.event_id,
+                        ck.key,
+                        "delivered",
+                        0,
+                        0.0,
+                        delivery.partition,
+                        delivery.offset,
+                        None,
+                    )
+                )
+                self.metrics.published.labels(topic=event.topic).inc()
+                continue
+            if blocked:
+                continue
+            if verdict in ("unsent", "unreported"):
+                # Not handed over, or still inside the producer: leave it pending and
+                # keep the key off limits for a lease period so no copy overtakes it.
+                blocked = True
+                next_seq = event.seq
+                delay = settings.lease_seconds if verdict == "unreported" else 0.0
+                continue
+            attempt = event.attempts + 1
+            exhausted = verdict == PERMANENT or attempt >= settings.max_attempts
+            if not exhausted:
+                backoff = backoff_delay(
+                    attempt, settings.backoff_base, settings.backoff_cap, self._rng
+                )
+                out.append(
+                    EventOutcome(event.event_id, ck.key, "pending", 1, backoff, None, None, error)
+                )
+                self.metrics.retried.labels(topic=event.topic, reason=_reason(error)).inc()
+                log.warning(
+                    "send failed, will retry",
+                    extra={
+                        "action": "retry",
+                        "event_id": event.event_id,
+                        "key": ck.key,
+                        "topic": event.topic,
+                        "attempt": attempt,
+                        "error": error,
+                    },
+                )
+                blocked = True
+                next_seq = event.seq
+                delay = backoff
+                continue
+            reason = error if verdict == PERMANENT else f"gave up after {attempt} attempts: {error}"
+            if not self._dead_letter(event, reason or "unknown error"):
+                # The dead-letter copy did not make it: keep the event, retry later.
+                backoff = backoff_delay(
+                    attempt, settings.backoff_base, settings.backoff_cap, self._rng
+                )
+                out.append(
+                    EventOutcome(event.event_id, ck.key, "pending", 0, backoff, None, None, error)
+                )
+                blocked = True
+                next_seq = event.seq
+                delay = backoff
+                continue
+            out.append(
+                EventOutcome(event.event_id, ck.key, "discarded", 1, 0.0, None, None, reason)
+            )
+            self.metrics.discarded.labels(topic=event.topic, reason=_reason(error)).inc()
+            log.error(
+                "event discarded",
+                extra={
+                    "action": "discard",
+                    "event_id": event.event_id,
+                    "key": ck.key,
+                    "topic": event.topic,
+                    "attempt": attempt,
+                    "error": reason,
+                    "parked": park,
+                },
+            )
+            if park:
+                blocked = True
+                parked = True
+                next_seq = event.seq
+        # Fewer events than asked for: the key had nothing more visible when claimed.
+        drained = len(due) == len(ck.events) < per_key_limit
+        exhausted_key = drained and not blocked and not parked
+        return KeyOutcome(ck.key, next_seq, delay, parked, exhausted_key)
+
+    def _dead_letter(self, event: ClaimedEvent, reason: str) -> bool:
+        topic = self.settings.dead_letter_topic
+        if topic is None:
+            return True
+        headers = [
+            *event.headers,
+            ("outbox_error", reason.encode("utf-8", "replace")[:4096]),
+            ("outbox_original_topic", event.topic.encode()),
+        ]
+        problem = self.publisher.topic_problem(topic)
+        if problem is not None:
+            log.error(
+                "dead-letter topic unavailable",
+                extra={"action": "dead_letter_failed", "topic": topic, "error": problem[1]},
+            )
+            return False
+        [delivery] = self.publisher.send(
+            [Message(topic, event.key.encode(), event.value, headers)],
+            timeout=self._send_timeout,
+            hold_after_permanent=False,
+        )
+        if delivery.verdict != DELIVERED:
+            log.error(
+                "dead-letter copy failed",
+                extra={"action": "dead_letter_failed", "topic": topic, "error": delivery.error},
+            )
+            return False
+        return True
+
+    # Waiting, retrying, housekeeping -------------------------------------------
+
+    def _idle_wait(self) -> None:
+        timeout = self.settings.poll_interval
+        if not self.settings.listen:
+            self._stop.wait(timeout)
+            return
+        try:
+            self.store.wait_for_wakeup(timeout)
+        except StorageError:
+            self._stop.wait(timeout)
+
+    def _with_db_retry(self, action: Callable[[], T], *, stop_on_shutdown: bool) -> T:
+        """Run a database step, retrying transient failures with backoff.
+
+        Claims give up when the relay is stopping; recording an outcome keeps
+        trying until the shutdown deadline, since Kafka already has the messages.
+        """
+
+        def should_stop(state: RetryCallState) -> bool:
+            if stop_on_shutdown:
+                return self._stop.is_set()
+            return self._stop_deadline is not None and time.monotonic() > self._stop_deadline
+
+        def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            self.metrics.db_errors.inc()
+            log.warning(
+                "database error, retrying",
+                extra={"action": "db_retry", "attempt": state.attempt_number, "error": str(exc)},
+            )
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(StorageError),
+            wait=wait_exponential_jitter(initial=0.1, max=5.0),
+            stop=should_stop,
+            before_sleep=before_sleep,
+            sleep=lambda seconds: self._interruptible_sleep(seconds, stop_on_shutdown),
+            reraise=True,
+        )
+        return retrying(action)
+
+    def _interruptible_sleep(self, seconds: float, stop_on_shutdown: bool) -> None:
+        if stop_on_shutdown:
+            self._stop.wait(seconds)
+        else:
+            time.sleep(seconds)
+
+    def _maybe_purge(self) -> None:
+        now = time.monotonic()
+        if now - self._last_purge < self.settings.purge_interval:
+            return
+        self._last_purge = now
+        try:
+            removed = self.store.purge(
+                delivered_seconds=self.settings.retain_delivered_seconds,
+                discarded_seconds=self.settings.retain_discarded_seconds,
+                batch=self.settings.purge_batch,
+            )
+        except StorageError as exc:
+            log.warning("purge failed", extra={"action": "purge_failed", "error": str(exc)})
+            return
+        if removed:
+            self.metrics.purged.inc(removed)
+            log.info("purged old events", extra={"action": "purge", "events": removed})
+
+
+def _reason(error: str | None) -> str:
+    """A low-cardinality label for an error message: its leading error name."""
+    if not error:
+        return "unknown"
+    head = error.split(":", 1)[0].strip()
+    return head if head.replace("_", "").isalnum() and len(head) <= 40 else "other"

@@ -1,0 +1,224 @@
+"""The relay's settings: defaults, validation, and the librdkafka configuration they imply."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from .errors import ConfigurationError
+from .naming import TableNames
+
+KAFKA_ENV_PREFIX = "OUTBOX_KAFKA_CONFIG_"
+#: librdkafka settings the relay's guarantees depend on; users cannot change them.
+FORCED_KAFKA = {"enable.idempotence": "true", "acks": "all"}
+_ACKS_ALIASES = {"acks", "request.required.acks"}
+_TIMEOUT_KEYS = ("delivery.timeout.ms", "message.timeout.ms")
+#: Keys whose values are secrets: never logged, never shown.
+SECRET_KAFKA_KEYS = frozenset(
+    {
+        "sasl.password",
+        "sasl.username",
+        "sasl.oauthbearer.client.secret",
+        "sasl.oauthbearer.config",
+        "ssl.key.password",
+        "ssl.key.pem",
+        "ssl.keystore.password",
+        "ssl_key",
+    }
+)
+COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
+OnExhausted = Literal["continue", "park"]
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """Everything the relay needs; see ``outbox-kafka relay --help`` for each field."""
+
+    database_url: str
+    bootstrap_servers: str
+    table: str = "outbox"
+    db_schema: str = "public"
+    kafka_config: Mapping[str, str] = field(default_factory=dict)
+    batch_size: int = 1000
+    poll_interval: float = 0.5
+    lease_seconds: float = 30.0
+    delivery_timeout_ms: int = 10_000
+    backoff_base: float = 0.5
+    backoff_cap: float = 60.0
+    max_attempts: int = 50
+    compression: str = "none"
+    dead_letter_topic: str | None = None
+    on_exhausted: OnExhausted = "continue"
+    create_topics: int | None = None
+    listen: bool = True
+    shutdown_timeout: float = 30.0
+    retain_delivered_seconds: float = 7 * 86400.0
+    retain_discarded_seconds: float = 90 * 86400.0
+    purge_interval: float = 300.0
+    purge_batch: int = 1000
+    relay_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}")
+
+    def __post_init__(self) -> None:
+        TableNames(self.table, self.db_schema)
+        if not self.database_url:
+            raise ConfigurationError("no database URL (--database-url or OUTBOX_DATABASE_URL)")
+        if not self.bootstrap_servers:
+            raise ConfigurationError(
+                "no Kafka bootstrap servers (--bootstrap-servers or OUTBOX_KAFKA_BOOTSTRAP_SERVERS)"
+            )
+        _positive("batch_size", self.batch_size)
+        _positive("poll_interval", self.poll_interval)
+        _positive("lease_seconds", self.lease_seconds)
+        _positive("backoff_base", self.backoff_base)
+        _positive("max_attempts", self.max_attempts)
+        _positive("shutdown_timeout", self.shutdown_timeout)
+        _positive("purge_batch", self.purge_batch)
+        _positive("purge_interval", self.purge_interval)
+        if self.backoff_cap < self.backoff_base:
+            raise ConfigurationError(
+                f"backoff_cap ({self.backoff_cap} s) is below backoff_base ({self.backoff_base} s)"
+            )
+        if self.compression not in COMPRESSIONS:
+            raise ConfigurationError(
+                f"compression {self.compression!r} is not one of {', '.join(COMPRESSIONS)}"
+            )
+        if self.on_exhausted not in ("continue", "park"):
+            raise ConfigurationError(
+                f"on_exhausted must be 'continue' or 'park', not {self.on_exhausted!r}"
+            )
+        if self.create_topics is not None:
+            _positive("create_topics", self.create_topics)
+        for key, value in self.kafka_config.items():
+            if key in FORCED_KAFKA and str(value).lower() != FORCED_KAFKA[key]:
+                raise ConfigurationError(
+                    f"Kafka setting {key}={value} is not allowed: the relay needs "
+                    f"{key}={FORCED_KAFKA[key]} for ordering and no loss"
+                )
+            if key in _ACKS_ALIASES and str(value).lower() not in {"all", "-1"}:
+                raise ConfigurationError(
+                    f"Kafka setting {key}={value} is not allowed: use acks=all"
+                )
+        timeout = self.effective_delivery_timeout_ms
+        limit = self.lease_seconds * 1000 * 0.8
+        if timeout > limit:
+            raise ConfigurationError(
+                f"the Kafka delivery timeout ({timeout} ms) must be at most 80% of the lease "
+                f"({self.lease_seconds} s = {self.lease_seconds * 1000:.0f} ms): a message still "
+                "in flight when its lease expires would be sent twice, out of order. Lower "
+                "delivery.timeout.ms or raise --lease-seconds."
+            )
+        if self.dead_letter_topic is not None:
+            from .envelope import check_topic
+            from .errors import EventError
+
+            try:
+                check_topic(self.dead_letter_topic)
+            except EventError as exc:
+                raise ConfigurationError(f"dead-letter topic: {exc.reason}") from None
+
+    @property
+    def names(self) -> TableNames:
+        return TableNames(self.table, self.db_schema)
+
+    @property
+    def effective_delivery_timeout_ms(self) -> int:
+        for key in _TIMEOUT_KEYS:
+            if key in self.kafka_config:
+                try:
+                    return int(self.kafka_config[key])
+                except ValueError:
+                    raise ConfigurationError(
+                        f"Kafka setting {key}={self.kafka_config[key]!r} is not an integer"
+                    ) from None
+        return self.delivery_timeout_ms
+
+    def producer_config(self) -> dict[str, str]:
+        """The librdkafka configuration of the relay's producer."""
+        config = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "partitioner": "murmur2_random",
+            "compression.type": self.compression,
+            "linger.ms": "5",
+            "allow.auto.create.topics": "false",
+            "queue.buffering.max.messages": str(max(100_000, self.batch_size * 4)),
+        }
+        config.update({k: str(v) for k, v in self.kafka_config.items()})
+        for key in _TIMEOUT_KEYS:
+            config.pop(key, None)
+        config["delivery.timeout.ms"] = str(self.effective_delivery_timeout_ms)
+        config.update(FORCED_KAFKA)
+        return config
+
+    def admin_config(self) -> dict[str, str]:
+        """Connection settings (security included) for the admin client."""
+        producer_only = {
+            "partitioner",
+            "compression.type",
+            "linger.ms",
+            "queue.buffering.max.messages",
+            "delivery.timeout.ms",
+            "allow.auto.create.topics",
+            *FORCED_KAFKA,
+        }
+        return {k: v for k, v in self.producer_config().items() if k not in producer_only}
+
+    def digest(self) -> str:
+        """A short fingerprint of the settings, secrets excluded, for the info metric."""
+        public = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in {"database_url", "kafka_config", "relay_id"}
+        }
+        public["kafka_config"] = {
+            k: v for k, v in sorted(self.kafka_config.items()) if k not in SECRET_KAFKA_KEYS
+        }
+        blob = json.dumps(public, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigurationError(f"{name} must be positive, got {value}")
+
+
+def kafka_config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``OUTBOX_KAFKA_CONFIG_SASL_MECHANISM=PLAIN`` -> ``{"sasl.mechanism": "PLAIN"}``."""
+    env = os.environ if environ is None else environ
+    return {
+        name[len(KAFKA_ENV_PREFIX) :].lower().replace("_", "."): value
+        for name, value in env.items()
+        if name.startswith(KAFKA_ENV_PREFIX) and len(name) > len(KAFKA_ENV_PREFIX)
+    }
+
+
+def parse_kafka_pair(pair: str) -> tuple[str, str]:
+    """``"linger.ms=10"`` -> ``("linger.ms", "10")``."""
+    key, sep, value = pair.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigurationError(f"Kafka setting {pair!r} is not of the form key=value")
+    return key, value.strip()
+
+
+def kafka_config_from_file(path: str | Path) -> dict[str, str]:
+    """Read ``key=value`` lines (``#`` comments allowed), as in a Java properties file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read Kafka config file {path}: {exc}") from None
+    config: dict[str, str] = {}
+    for number, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "!")):
+            continue
+        try:
+            key, value = parse_kafka_pair(stripped)
+        except ConfigurationError:
+            raise ConfigurationError(f"{path}:{number}: expected key=value, got {line!r}") from None
+        config[key] = value
+    return config

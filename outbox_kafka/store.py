@@ -1,0 +1,290 @@
+"""The relay's database boundary: claim, finish, purge, wake-ups.
+
+Every statement comes from ``sql/queries.sql``. Driver errors are translated
+here into :class:`~outbox_kafka.errors.StorageError`, so the relay loop never
+imports psycopg2. No method holds a transaction open after it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg2
+import psycopg2.extensions
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from .database import make_engine, redact_url
+from .errors import StorageError
+from .naming import TableNames
+from .queries import queries_for
+
+
+@dataclass(frozen=True)
+class ClaimedEvent:
+    event_id: str
+    key: str
+    seq: int
+    topic: str
+    type: str
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    attempts: int
+    due: bool
+    wait_seconds: float
+
+
+@dataclass
+class ClaimedKey:
+    key: str
+    next_seq: int
+    events: list[ClaimedEvent] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Claim:
+    token: uuid.UUID
+    keys: list[ClaimedKey]
+    per_key_limit: int
+
+    @property
+    def event_count(self) -> int:
+        return sum(len(k.events) for k in self.keys)
+
+
+@dataclass(frozen=True)
+class KeyOutcome:
+    key: str
+    next_seq: int
+    delay: float
+    park: bool
+    exhausted: bool
+
+
+@dataclass(frozen=True)
+class EventOutcome:
+    event_id: str
+    key: str
+    status: str  # delivered / pending / discarded
+    attempt: int
+    delay: float
+    partition: int | None
+    offset: int | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class FinishResult:
+    keys_owned: int
+    delivered: int
+    discarded: int
+    retried: int
+    latencies: list[float]
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    try:
+        yield
+    except DBAPIError as exc:
+        raise StorageError(f"{what} failed: {exc.orig!s}".strip()) from exc
+    except SQLAlchemyError as exc:
+        raise StorageError(f"{what} failed: {exc}") from exc
+    except psycopg2.Error as exc:
+        raise StorageError(f"{what} failed: {exc}".strip()) from exc
+
+
+class Store:
+    """Relay-side access to one outbox."""
+
+    def __init__(self, database_url: str, names: TableNames, *, engine: Engine | None = None):
+        self.names = names
+        self.url_for_logs = redact_url(database_url)
+        self._database_url = database_url
+        self._engine = engine or make_engine(database_url, pool_size=2, max_overflow=2)
+        self._q = queries_for(names)
+        self._listener: psycopg2.extensions.connection | None = None
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @contextlib.contextmanager
+    def _cursor(self, what: str) -> Iterator[Any]:
+        """A raw cursor in its own transaction, committed on success.
+
+        The relay's two hot statements bypass SQLAlchemy's result layer: at a
+        thousand rows per batch, building Row objects costs more than the query.
+        """
+        with _translated(what), self._engine.connect() as conn:
+            dbapi: Any = conn.connection.dbapi_connection
+            cur = dbapi.cursor()
+            try:
+                yield cur
+                dbapi.commit()
+            except BaseException:
+                dbapi.rollback()
+                raise
+            finally:
+                cur.close()
+
+    def claim(self, *, batch_size: int, lease_seconds: float) -> Claim:
+        """Lease up to ``batch_size`` keys and read their next pending events."""
+        token = uuid.uuid4()
+        params = {
+            "token": str(token),
+            "max_keys": batch_size,
+            "batch_size": batch_size,
+            "lease_seconds": lease_seconds,
+        }
+        with self._cursor("claiming events") as cur:
+            cur.execute(self._q.driver_sql("claim"), params)
+            rows = cur.fetchall()
+        keys: dict[str, ClaimedKey] = {}
+        for (
+            key,
+            next_seq,
+            event_id,
+            seq,
+            topic,
+            event_type,
+            value,
+            header_names,
+            header_values,
+            attempts,
+            _available_at,
+            due,
+            wait_seconds,
+        ) in rows:
+            claimed = keys.get(key)
+            if claimed is None:
+                claimed = keys[key] = ClaimedKey(key, next_seq)
+            if event_id is None:
+                continue
+            names = header_names or []
+            values = header_values or []
+            if len(names) == len(values):
+                headers = [(n, bytes(v)) for n, v in zip(names, values, strict=True)]
+            else:
+                headers = [("outbox-corrupt-headers", b"")]
+            claimed.events.append(
+                ClaimedEvent(
+                    event_id=event_id,
+                    key=key,
+                    seq=seq,
+                    topic=topic,
+                    type=event_type,
+                    value=bytes(value),
+                    headers=headers,
+                    attempts=attempts,
+                    due=bool(due),
+                    wait_seconds=float(wait_seconds or 0.0),
+                )
+            )
+        per_key = max(1, batch_size // max(1, len(keys)))
+        return Claim(token=token, keys=list(keys.values()), per_key_limit=per_key)
+
+    def finish(
+        self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]
+    ) -> FinishResult:
+        """Record a batch's outcome, fenced by ``token``, in one statement."""
+        params: dict[str, Any] = {
+            "token": str(token),
+            "key_names": [k.key for k in keys],
+            "key_next_seqs": [k.next_seq for k in keys],
+            "key_delays": [k.delay for k in keys],
+            "key_parks": [k.park for k in keys],
+            "key_exhausted": [k.exhausted for k in keys],
+            "event_ids": [e.event_id for e in events],
+            "event_keys": [e.key for e in events],
+            "event_statuses": [e.status for e in events],
+            "event_attempts": [e.attempt for e in events],
+            "event_delays": [e.delay for e in events],
+            "event_partitions": [e.partition for e in events],
+            "event_offsets": [e.offset for e in events],
+            "event_errors": [e.error for e in events],
+        }
+        with self._cursor("recording delivered events") as cur:
+            cur.execute(self._q.driver_sql("finish_batch"), params)
+            keys_owned, delivered, discarded, retried, latencies = cur.fetchone()
+        return FinishResult(
+            keys_owned=keys_owned,
+            delivered=delivered,
+            discarded=discarded,
+            retried=retried,
+            latencies=[float(x) for x in (latencies or [])],
+        )
+
+    def purge(self, *, delivered_seconds: float, discarded_seconds: float, batch: int) -> int:
+        """Delete old delivered and discarded events, ``batch`` rows per transaction."""
+        removed = 0
+        for name, age in (
+            ("purge_delivered", delivered_seconds),
+            ("purge_discarded", discarded_seconds),
+        ):
+            while True:
+                with _translated("purging old events"), self._engine.begin() as conn:
+                    count = conn.execute(
+                        self._q[name], {"older_than_seconds": age, "batch": batch}
+                    ).rowcount
+                removed += count
+                if count < batch:
+                    break
+        return removed
+
+    def ping(self) -> None:
+        with _translated("checking the database"), self._engine.connect() as conn:
+            conn.execute(self._q["ping"])
+
+    # LISTEN/NOTIFY: a dedicated autocommit connection, outside the pool.
+
+    def _listen(self) -> psycopg2.extensions.connection:
+        if self._listener is None or self._listener.closed:
+            raw = self._engine.raw_connection()
+            try:
+                dbapi = raw.driver_connection
+                assert isinstance(dbapi, psycopg2.extensions.connection)
+                # Detach from the pool: this connection lives as long as the relay.
+                raw.detach()
+                dbapi.autocommit = True
+                with dbapi.cursor() as cur:
+                    cur.execute(f"LISTEN {self.names.placeholders()['channel']}")
+            except BaseException:
+                raw.close()
+                raise
+            self._listener = dbapi
+        return self._listener
+
+    def wait_for_wakeup(self, timeout: float) -> bool:
+        """Block until an enqueue commits (True) or ``timeout`` seconds pass (False)."""
+        try:
+            with _translated("listening for new events"):
+                conn = self._listen()
+                if conn.notifies:
+                    conn.notifies.clear()
+                    return True
+                ready, _, _ = select.select([conn], [], [], timeout)
+                if ready:
+                    conn.poll()
+                    woke = bool(conn.notifies)
+                    conn.notifies.clear()
+                    return woke
+                return False
+        except (StorageError, OSError):
+            self._drop_listener()
+            raise
+
+    def _drop_listener(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(Exception):
+                self._listener.close()
+            self._listener = None
+
+    def close(self) -> None:
+        self._drop_listener()
+        self._engine.dispose()
