@@ -48,7 +48,8 @@ def add_option(
     """
     variable = env or env_name(flag)
     raw = os.environ.get(variable)
-    value = type(raw) if raw not in (None, "") else default
+    # argparse converts (and reports errors in) string defaults like command-line values.
+    value = raw if raw not in (None, "") else default
     shown = "" if secret or default is None else f" (default: {default})"
     parser.add_argument(
         flag,

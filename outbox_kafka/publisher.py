@@ -174,14 +174,21 @@ class Publisher:
     # Sending --------------------------------------------------------------
 
     def send(
-        self, messages: Sequence[Message], *, timeout: float, hold_after_permanent: bool
+        self,
+        messages: Sequence[Message],
+        *,
+        timeout: float,
+        hold_after_permanent: bool,
+        abort: Callable[[], bool] | None = None,
     ) -> list[Delivery]:
         """Produce every message, wait once for all reports, return one Delivery each.
 
         When ``produce()`` itself refuses a message, the later messages of the
         same ordering key are not handed over in this batch (their Delivery
         has ``sent=False``): after a retriable refusal always, after a
-        permanent one when ``hold_after_permanent`` is set.
+        permanent one when ``hold_after_permanent`` is set. ``abort`` is
+        polled while waiting; when it returns True the wait ends early and
+        unreported messages stay unreported.
         """
         deliveries = [Delivery() for _ in messages]
         held: set[bytes] = set()
@@ -203,7 +210,7 @@ class Publisher:
                     delivery.error = str(exc)
                 if delivery.verdict == RETRIABLE or hold_after_permanent:
                     held.add(msg.key)
-        self._wait(deliveries, timeout)
+        self._wait(deliveries, timeout, abort)
         return deliveries
 
     def _produce_one(self, produce: Any, msg: Message, callback: Any) -> None:
@@ -227,11 +234,16 @@ class Publisher:
             delivery.error = _describe(err)
             delivery.fatal = bool(err.fatal())
 
-    def _wait(self, deliveries: list[Delivery], timeout: float) -> None:
+    def _wait(
+        self, deliveries: list[Delivery], timeout: float, abort: Callable[[], bool] | None
+    ) -> None:
         deadline = time.monotonic() + timeout
-        remaining = self._producer.flush(timeout)
-        while remaining and time.monotonic() < deadline:
-            remaining = self._producer.flush(max(0.0, deadline - time.monotonic()))
+        slice_seconds = 0.2 if abort is not None else timeout
+        remaining = self._producer.flush(min(slice_seconds, timeout))
+        while remaining and time.monotonic() < deadline and not (abort is not None and abort()):
+            remaining = self._producer.flush(
+                min(slice_seconds, max(0.0, deadline - time.monotonic()))
+            )
         for d in deliveries:
             if d.sent and not d.reported:
                 d.error = "NO_REPORT: no delivery report before the relay's wait ran out"

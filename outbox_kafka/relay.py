@@ -98,6 +98,9 @@ class Relay:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def _past_shutdown_deadline(self) -> bool:
+        return self._stop_deadline is not None and time.monotonic() > self._stop_deadline
+
     def run(self) -> None:
         """Relay until :meth:`stop` is called."""
         log.info(
@@ -109,13 +112,16 @@ class Relay:
                 "table": self.settings.names.qualified_events,
             },
         )
+        purger = threading.Thread(target=self._purge_loop, name="outbox-purge", daemon=True)
+        purger.start()
         try:
             while not self._stop.is_set():
                 report = self._guarded_cycle()
-                self._maybe_purge()
                 if report is None or report.sent == 0:
                     self._idle_wait()
         finally:
+            self._stop.set()
+            purger.join(timeout=5)
             self.close()
             log.info("relay stopped", extra={"action": "stop", "relay_id": self.settings.relay_id})
 
@@ -225,7 +231,10 @@ class Relay:
         deliveries_by_event: dict[int, Delivery] = {}
         if to_send:
             deliveries = self.publisher.send(
-                to_send, timeout=self._send_timeout, hold_after_permanent=park
+                to_send,
+                timeout=self._send_timeout,
+                hold_after_permanent=park,
+                abort=self._past_shutdown_deadline,
             )
             deliveries_by_event = {id(e): d for e, d in zip(sendable, deliveries, strict=True)}
 
@@ -430,9 +439,7 @@ class Relay:
         """
 
         def should_stop(state: RetryCallState) -> bool:
-            if stop_on_shutdown:
-                return self._stop.is_set()
-            return self._stop_deadline is not None and time.monotonic() > self._stop_deadline
+            return self._stop.is_set() if stop_on_shutdown else self._past_shutdown_deadline()
 
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -458,11 +465,20 @@ class Relay:
         else:
             time.sleep(seconds)
 
-    def _maybe_purge(self) -> None:
-        now = time.monotonic()
-        if now - self._last_purge < self.settings.purge_interval:
-            return
-        self._last_purge = now
+    def _purge_loop(self) -> None:
+        """Retention, in its own thread so large purges never delay publishing."""
+        while not self._stop.wait(self._purge_delay()):
+            self.purge_once()
+
+    def _purge_delay(self) -> float:
+        # Spread relays' purges apart; the first runs soon after start.
+        if self._last_purge == 0.0:
+            self._last_purge = time.monotonic()
+            return min(self.settings.purge_interval, 10.0) * self._rng.random()
+        return self.settings.purge_interval
+
+    def purge_once(self) -> None:
+        """Delete delivered and discarded events past their retention, in bounded batches."""
         try:
             removed = self.store.purge(
                 delivered_seconds=self.settings.retain_delivered_seconds,

@@ -126,19 +126,17 @@ WITH batch_keys AS (
         CAST(:key_parks AS boolean[]),
         CAST(:key_exhausted AS boolean[])
     ) AS v(ordering_key, next_seq, delay, park, exhausted)
+), removable AS (
+    SELECT s.ordering_key
+    FROM {seqs} s
+    JOIN batch_keys b ON b.ordering_key = s.ordering_key
+    WHERE b.exhausted AND NOT b.park AND s.last_seq < b.next_seq
+    FOR UPDATE OF s SKIP LOCKED
 ), removed AS (
     DELETE FROM {keys} h
-    USING batch_keys v
-    WHERE h.ordering_key = v.ordering_key
+    USING removable r
+    WHERE h.ordering_key = r.ordering_key
       AND h.claim_token = :token
-      AND v.exhausted AND NOT v.park
-      AND h.ordering_key IN (
-          SELECT s.ordering_key
-          FROM {seqs} s
-          JOIN batch_keys b ON b.ordering_key = s.ordering_key
-          WHERE b.exhausted AND s.last_seq < b.next_seq
-          FOR UPDATE OF s SKIP LOCKED
-      )
     RETURNING h.ordering_key
 ), kept AS (
     UPDATE {keys} h
