@@ -263,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_relay_parser(sub)
 
     p = sub.add_parser("demo", help="run the orders demo end to end on embedded services")
+    add_option(p, "--orders", type=int, default=400, help="orders to create, pay and ship")
+    add_option(p, "--writers", type=int, default=4, help="concurrent order-service threads")
     p.set_defaults(handler=_cmd_demo)
     return parser
 

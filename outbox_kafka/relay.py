@@ -83,6 +83,7 @@ class Relay:
         self._stop_deadline: float | None = None
         self._rng = random.Random()
         self._last_purge = 0.0
+        self._valid_topics: set[str] = set()
         self.last_cycle_at: float | None = None
         self._send_timeout = settings.effective_delivery_timeout_ms / 1000 + 5.0
 
@@ -239,19 +240,30 @@ class Relay:
             deliveries_by_event = {id(e): d for e, d in zip(sendable, deliveries, strict=True)}
 
         event_outcomes: list[EventOutcome] = []
+        published: dict[str, int] = {}
         for ck, due, _ in plans:
             outcome = self._settle_key(
-                ck, due, precheck, deliveries_by_event, event_outcomes, claim.per_key_limit
+                ck,
+                due,
+                precheck,
+                deliveries_by_event,
+                event_outcomes,
+                claim.per_key_limit,
+                published,
             )
             key_outcomes.append(outcome)
+        for topic, count in published.items():
+            self.metrics.published.labels(topic=topic).inc(count)
         return key_outcomes, event_outcomes, len(to_send)
 
     def _precheck(self, event: ClaimedEvent) -> tuple[str, str] | None:
         """Problems found before handing the message over: (verdict, reason)."""
-        try:
-            check_topic(event.topic)
-        except EventError as exc:
-            return PERMANENT, f"INVALID_TOPIC: {exc.reason}"
+        if event.topic not in self._valid_topics:
+            try:
+                check_topic(event.topic)
+            except EventError as exc:
+                return PERMANENT, f"INVALID_TOPIC: {exc.reason}"
+            self._valid_topics.add(event.topic)
         problem = check_envelope(event.value, event.event_id, event.key)
         if problem is not None:
             return PERMANENT, f"INVALID_ENVELOPE: {problem}"
@@ -276,6 +288,7 @@ class Relay:
         deliveries: dict[int, Delivery],
         out: list[EventOutcome],
         per_key_limit: int,
+        published: dict[str, int],
     ) -> KeyOutcome:
         """Walk one key's events in sequence order and decide what happens next.
 
@@ -316,7 +329,7 @@ class Relay:
                         None,
                     )
                 )
-                self.metrics.published.labels(topic=event.topic).inc()
+                published[event.topic] = published.get(event.topic, 0) + 1
                 continue
             if blocked:
                 continue
