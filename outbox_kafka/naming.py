@@ -13,9 +13,27 @@ from dataclasses import dataclass
 from .errors import InvalidIdentifier
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
-# PostgreSQL truncates identifiers at 63 bytes; the longest suffix added here
-# is "_discarded_idx" (14), so the base name must leave room for it.
-_MAX_BASE = 63 - len("_discarded_idx")
+_MAX_IDENTIFIER = 63  # PostgreSQL truncates longer names silently
+# Suffixes appended to the table name for the outbox's other objects.
+_EVENT_SUFFIXES = (
+    "status_check",
+    "attempts_check",
+    "claim_idx",
+    "pending_idx",
+    "delivered_idx",
+    "discarded_idx",
+)
+_OBJECT_SUFFIXES = (
+    *(f"_{s}" for s in _EVENT_SUFFIXES),
+    "_keys",
+    "_keys_due_idx",
+    "_keys_pkey",
+    "_key_seq",
+    "_key_seq_pkey",
+    "_migrations",
+    "_migrations_pkey",
+)
+_MAX_BASE = _MAX_IDENTIFIER - max(len(s) for s in _OBJECT_SUFFIXES)
 
 
 def validate_identifier(value: str, what: str, *, max_length: int = 63) -> str:
@@ -63,8 +81,16 @@ class TableNames:
 
     @property
     def channel(self) -> str:
-        """The LISTEN/NOTIFY channel committed enqueues wake the relay on."""
-        return f"outbox_kafka.{self.schema}.{self.table}"
+        """The LISTEN/NOTIFY channel committed enqueues wake the relay on.
+
+        Channel names are identifiers (63 bytes at most); long schema and
+        table names are replaced by a digest so the name stays exact.
+        """
+        readable = f"outbox_kafka.{self.schema}.{self.table}"
+        if len(readable) <= _MAX_IDENTIFIER:
+            return readable
+        digest = hashlib.blake2b(readable.encode(), digest_size=16).hexdigest()
+        return f"outbox_kafka.{digest}"
 
     @property
     def qualified_events(self) -> str:
@@ -88,14 +114,7 @@ class TableNames:
             "versions": f"{s}.{_quote(self.versions)}",
             "channel": _quote(self.channel),
         }
-        for suffix in (
-            "status_check",
-            "attempts_check",
-            "claim_idx",
-            "pending_idx",
-            "delivered_idx",
-            "discarded_idx",
-        ):
+        for suffix in _EVENT_SUFFIXES:
             values[f"events_{suffix}"] = _quote(f"{self.table}_{suffix}")
         values["keys_due_idx"] = _quote(f"{self.keys}_due_idx")
         return values

@@ -311,7 +311,8 @@ class Outbox:
                 with connection.begin_nested():
                     connection.execute(statement, params)
             except IntegrityError as exc:
-                if "_pkey" in str(exc.orig):
+                diag = getattr(exc.orig, "diag", None)
+                if getattr(diag, "constraint_name", None) == f"{self._config.names.table}_pkey":
                     raise DuplicateEventId(
                         "event_id", "an event with this id is already in the outbox"
                     ) from None
@@ -366,7 +367,9 @@ def _connection_of(conn: Connectable) -> Connection:
     level = connection.get_execution_options().get("isolation_level") or (
         connection.engine.get_execution_options().get("isolation_level")
     )
-    if level == "AUTOCOMMIT":
+    # The engine-wide setting lives on the driver connection itself.
+    driver_autocommit = bool(getattr(connection.connection.dbapi_connection, "autocommit", False))
+    if level == "AUTOCOMMIT" or driver_autocommit:
         raise UnsafeConnection(
             "the connection is in AUTOCOMMIT mode: the event would not share the caller's "
             "transaction; enqueue inside a transaction instead"
