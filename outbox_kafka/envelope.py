@@ -8,6 +8,7 @@ without parsing the value.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -303,6 +304,46 @@ def standard_headers(
     ]
     if traceparent is not None:
         headers.append(("traceparent", traceparent.encode()))
+    return headers
+
+
+def headers_to_json(headers: list[tuple[str, bytes]]) -> str:
+    """Headers as stored: ``[[name, value], ...]``, binary values as ``{"base64": ...}``.
+
+    PostgreSQL's jsonb cannot hold NUL characters, so values containing NUL
+    are stored as base64 too; the bytes sent are always the bytes given.
+    """
+    items: list[list[object]] = []
+    for name, value in headers:
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is None or "\x00" in text:
+            items.append([name, {"base64": base64.b64encode(value).decode("ascii")}])
+        else:
+            items.append([name, text])
+    return json.dumps(items, ensure_ascii=False, separators=(",", ":"))
+
+
+def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:
+    """The headers to send from their stored form; None when the row is malformed."""
+    if not isinstance(stored, list):
+        return None
+    headers: list[tuple[str, bytes]] = []
+    for item in stored:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            return None
+        name, value = item
+        if isinstance(value, str):
+            headers.append((name, value.encode("utf-8")))
+        elif isinstance(value, dict) and isinstance(value.get("base64"), str):
+            try:
+                headers.append((name, base64.b64decode(value["base64"], validate=True)))
+            except ValueError:
+                return None
+        else:
+            return None
     return headers
 
 

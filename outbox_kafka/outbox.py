@@ -28,6 +28,7 @@ from .envelope import (
     check_traceparent,
     check_type,
     encode_data,
+    headers_to_json,
     message_size,
     standard_headers,
     uuid7,
@@ -378,14 +379,6 @@ def _connection_of(conn: Connectable) -> Connection:
 
 
 def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> dict[str, Any]:
-    header_events: list[int] = []
-    header_names: list[str] = []
-    header_values: list[bytes] = []
-    for ordinal, event in enumerate(encoded, start=1):
-        for name, value in event.headers:
-            header_events.append(ordinal)
-            header_names.append(name)
-            header_values.append(value)
     return {
         "event_ids": [str(e.event_id) for e in encoded],
         "ordering_keys": [e.key for e in encoded],
@@ -393,9 +386,7 @@ def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> 
         "types": [e.type for e in encoded],
         "event_values": [e.value for e in encoded],
         "available_ats": [e.available_at for e in encoded],
-        "header_events": header_events,
-        "header_names": header_names,
-        "header_values": header_values,
+        "event_headers": [headers_to_json(e.headers) for e in encoded],
         "notify": notify,
         "channel": channel,
     }

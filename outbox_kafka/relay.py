@@ -227,7 +227,9 @@ class Relay:
                     precheck[id(event)] = problem
                     continue
                 sendable.append(event)
-                to_send.append(Message(event.topic, event.key.encode(), event.value, event.headers))
+                to_send.append(
+                    Message(event.topic, event.key.encode(), event.value, event.headers or [])
+                )
 
         deliveries_by_event: dict[int, Delivery] = {}
         if to_send:
@@ -267,6 +269,8 @@ class Relay:
         problem = check_envelope(event.value, event.event_id, event.key)
         if problem is not None:
             return PERMANENT, f"INVALID_ENVELOPE: {problem}"
+        if event.headers is None:
+            return PERMANENT, "INVALID_HEADERS: the stored headers are not [[name, value], ...]"
         size = (
             len(event.value)
             + len(event.key.encode())
@@ -408,7 +412,7 @@ class Relay:
         if topic is None:
             return True
         headers = [
-            *event.headers,
+            *(event.headers or []),
             ("outbox_error", reason.encode("utf-8", "replace")[:4096]),
             ("outbox_original_topic", event.topic.encode()),
         ]

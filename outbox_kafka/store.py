@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .database import make_engine, redact_url
+from .envelope import headers_from_json
 from .errors import StorageError
 from .naming import TableNames
 from .queries import queries_for
@@ -33,7 +34,7 @@ class ClaimedEvent:
     topic: str
     type: str
     value: bytes
-    headers: list[tuple[str, bytes]]
+    headers: list[tuple[str, bytes]] | None  # None: the stored headers are malformed
     attempts: int
     due: bool
     wait_seconds: float
@@ -176,8 +177,7 @@ class Store:
             topic,
             event_type,
             value,
-            header_names,
-            header_values,
+            stored_headers,
             attempts,
             _available_at,
             due,
@@ -188,12 +188,7 @@ class Store:
                 claimed = keys[key] = ClaimedKey(key, next_seq)
             if event_id is None:
                 continue
-            names = header_names or []
-            values = header_values or []
-            if len(names) == len(values):
-                headers = [(n, bytes(v)) for n, v in zip(names, values, strict=True)]
-            else:
-                headers = [("outbox-corrupt-headers", b"")]
+            headers = headers_from_json(stored_headers)
             claimed.events.append(
                 ClaimedEvent(
                     event_id=event_id,

@@ -25,7 +25,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, BYTEA
+from sqlalchemy.dialects.postgresql import JSONB
 
 from .naming import TableNames
 
@@ -55,8 +55,7 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Column("topic", Text, nullable=False),
         Column("type", Text, nullable=False),
         Column("value", LargeBinary, nullable=False),
-        Column("header_names", ARRAY(Text), nullable=False, server_default=text("'{}'")),
-        Column("header_values", ARRAY(BYTEA), nullable=False, server_default=text("'{}'")),
+        Column("headers", JSONB, nullable=False, server_default=text("'[]'")),
         Column("status", Text, nullable=False, server_default=text("'pending'")),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("available_at", DateTime(timezone=True), nullable=False, server_default=now),

@@ -14,8 +14,9 @@ WITH input AS (
         CAST(:topics AS text[]),
         CAST(:types AS text[]),
         CAST(:event_values AS bytea[]),
+        CAST(:event_headers AS jsonb[]),
         CAST(:available_ats AS timestamptz[])
-    ) WITH ORDINALITY AS i(event_id, ordering_key, topic, type, value, available_at, ord)
+    ) WITH ORDINALITY AS i(event_id, ordering_key, topic, type, value, headers, available_at, ord)
 ), per_key AS (
     SELECT ordering_key, count(*) AS n FROM input GROUP BY ordering_key
 ), counters AS (
@@ -23,32 +24,20 @@ WITH input AS (
     SELECT ordering_key, n FROM per_key ORDER BY ordering_key
     ON CONFLICT (ordering_key) DO UPDATE SET last_seq = s.last_seq + EXCLUDED.last_seq
     RETURNING s.ordering_key, s.last_seq
-), hdr AS (
-    SELECT ev,
-           array_agg(name ORDER BY pos) AS names,
-           array_agg(val ORDER BY pos) AS vals
-    FROM unnest(
-        CAST(:header_events AS bigint[]),
-        CAST(:header_names AS text[]),
-        CAST(:header_values AS bytea[])
-    ) WITH ORDINALITY AS h(ev, name, val, pos)
-    GROUP BY ev
 ), inserted AS (
-    INSERT INTO {events} (event_id, ordering_key, seq, topic, type, value,
-                          header_names, header_values, available_at)
+    INSERT INTO {events} (event_id, ordering_key, seq, topic, type, value, headers,
+                          available_at)
     SELECT i.event_id,
            i.ordering_key,
            c.last_seq - p.n + row_number() OVER (PARTITION BY i.ordering_key ORDER BY i.ord),
            i.topic,
            i.type,
            i.value,
-           COALESCE(h.names, '{}'),
-           COALESCE(h.vals, '{}'),
+           i.headers,
            COALESCE(i.available_at, now())
     FROM input i
     JOIN per_key p USING (ordering_key)
     JOIN counters c USING (ordering_key)
-    LEFT JOIN hdr h ON h.ev = i.ord
     RETURNING ordering_key, seq, available_at
 ), heads AS (
     INSERT INTO {keys} (ordering_key, next_seq, due_at)
@@ -93,8 +82,7 @@ SELECT c.ordering_key,
        e.topic,
        e.type,
        e.value,
-       e.header_names,
-       e.header_values,
+       e.headers,
        e.attempts,
        e.available_at,
        e.available_at <= now() AS due,

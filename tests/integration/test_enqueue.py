@@ -32,6 +32,7 @@ from outbox_kafka import (
     migrate,
 )
 from outbox_kafka.database import make_engine
+from outbox_kafka.envelope import headers_from_json
 from outbox_kafka.tables import build_tables
 from tests.support import (
     BAD_INPUTS,
@@ -51,8 +52,8 @@ def stored_events(engine: sa.Engine, table: str = '"outbox"') -> list[dict[str, 
     with engine.connect() as conn:
         rows = conn.execute(
             sa.text(
-                "SELECT event_id, ordering_key, seq, topic, type, value, header_names, "
-                "header_values, status, attempts, available_at, created_at "
+                "SELECT event_id, ordering_key, seq, topic, type, value, headers, "
+                "status, attempts, available_at, created_at "
                 f"FROM {table} ORDER BY ordering_key, seq"
             )
         ).mappings()
@@ -60,7 +61,10 @@ def stored_events(engine: sa.Engine, table: str = '"outbox"') -> list[dict[str, 
         for row in rows:
             item = dict(row)
             item["value"] = bytes(item["value"])
-            item["header_values"] = [bytes(v) for v in item["header_values"]]
+            decoded = headers_from_json(item["headers"])
+            assert decoded is not None, item["headers"]
+            item["header_names"] = [name for name, _ in decoded]
+            item["header_values"] = [value for _, value in decoded]
             result.append(item)
         return result
 
@@ -153,6 +157,9 @@ def test_committed_event_is_stored(engine: sa.Engine, outbox: Outbox) -> None:
         b"acme",
         b"\xff\x00",
     ]
+    # Binary values are stored as base64; text values as text.
+    assert row["headers"][-2] == ["x-tenant", "acme"]
+    assert row["headers"][-1] == ["x-bin", {"base64": "/wA="}]
     assert key_seqs(engine) == {"order-1": 1}
     [head] = queued_keys(engine).values()
     assert head["ordering_key"] == "order-1"

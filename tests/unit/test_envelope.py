@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.envelope import uuid7
+from outbox_kafka.envelope import headers_from_json, headers_to_json, uuid7
 from tests.support import EVENT_SCHEMAS, GOOD_TRACEPARENT, ORDER_CREATED, ORDER_PAID
 
 ORDER_CREATED_ID = json.loads((EVENT_SCHEMAS / "order.created.json").read_text())["$id"]
@@ -252,3 +252,27 @@ def test_available_at_keeps_its_offset(outbox: Outbox) -> None:
     assert encoded.available_at == when
     assert encoded.available_at is not None
     assert encoded.available_at.utcoffset() == timedelta(hours=5, minutes=30)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [],
+        [("a", b"text"), ("a", b"again")],
+        [("bin", b"\xff\xfe"), ("nul", b"x\x00y"), ("utf8", "é".encode())],
+    ],
+)
+def test_stored_headers_round_trip_byte_for_byte(headers: list[tuple[str, bytes]]) -> None:
+    stored = json.loads(headers_to_json(headers))
+    assert headers_from_json(stored) == headers
+    # jsonb cannot hold NUL: such values must not be stored as text.
+    assert "\x00" not in json.dumps(stored, ensure_ascii=False).replace("\\u0000", "")
+    assert all(isinstance(v, (str, dict)) for _, v in stored)
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [None, {}, [["a"]], [[1, "x"]], [["a", 5]], [["a", {"base64": "***"}]], [["a", {"hex": "00"}]]],
+)
+def test_malformed_stored_headers_are_reported(stored: object) -> None:
+    assert headers_from_json(stored) is None

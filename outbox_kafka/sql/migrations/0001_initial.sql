@@ -6,8 +6,9 @@ CREATE TABLE {events} (
     topic           text        NOT NULL,
     type            text        NOT NULL,
     value           bytea       NOT NULL,
-    header_names    text[]      NOT NULL DEFAULT '{}',
-    header_values   bytea[]     NOT NULL DEFAULT '{}',
+    -- [[name, value], ...] in send order; a value that is not UTF-8 text (or
+    -- holds NUL) is {"base64": "..."}.
+    headers         jsonb       NOT NULL DEFAULT '[]',
     status          text        NOT NULL DEFAULT 'pending',
     attempts        integer     NOT NULL DEFAULT 0,
     available_at    timestamptz NOT NULL DEFAULT now(),
