@@ -199,23 +199,15 @@ class Outbox:
         own_headers = check_headers(event.headers)
 
         data_json = encode_data(event.data)
-        dataschema = None
+        schema = None
         if cfg.schemas is not None:
             schema = cfg.schemas.get(event_type)
-            if schema is None:
-                if not cfg.allow_unknown_types:
-                    raise UnknownEventType(
-                        "type",
-                        f"no schema {event_type}.json in {cfg.schemas.directory} "
-                        "(pass allow_unknown_types=True to accept it)",
-                    )
-            else:
-                # Validate what consumers will see: the payload after JSON encoding.
-                problem = schema.first_error(json.loads(data_json))
-                if problem is not None:
-                    raise DataSchemaViolation("data", f"does not match {event_type}.json {problem}")
-                dataschema = schema.schema_id
-
+            if schema is None and not cfg.allow_unknown_types:
+                raise UnknownEventType(
+                    "type",
+                    f"no schema {event_type}.json in {cfg.schemas.directory} "
+                    "(pass allow_unknown_types=True to accept it)",
+                )
         envelope, value = build_envelope(
             event_id=event_id,
             source=source,
@@ -223,10 +215,16 @@ class Outbox:
             key=event.key,
             data_json=data_json,
             subject=subject,
-            dataschema=dataschema,
+            dataschema=None if schema is None else schema.schema_id,
             traceparent=traceparent,
         )
-        problem = envelope_schema().first_error(json.loads(value))
+        # Validate what consumers will see: the envelope and payload as encoded.
+        sent = json.loads(value)
+        if schema is not None:
+            problem = schema.first_error(sent["data"])
+            if problem is not None:
+                raise DataSchemaViolation("data", f"does not match {event_type}.json {problem}")
+        problem = envelope_schema().first_error(sent)
         if problem is not None:
             raise EnvelopeInvalid("envelope", problem)
         headers = standard_headers(event_id, event_type, source, traceparent) + own_headers
