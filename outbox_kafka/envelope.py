@@ -15,9 +15,9 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from .errors import (
@@ -231,8 +231,20 @@ def encode_data(data: Any) -> str:
         raise InvalidData("data", f"is not JSON-serializable: {exc}") from exc
 
 
+_json_string: Callable[[str], str] = json.encoder.encode_basestring
+_second_prefix: tuple[int, str] = (-1, "")
+
+
 def _rfc3339_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    """The current UTC time as RFC 3339 with microseconds, e.g. ``2026-12-02T13:44:04.278459Z``."""
+    global _second_prefix
+    micros = time.time_ns() // 1000
+    second, fraction = divmod(micros, 1_000_000)
+    cached_second, prefix = _second_prefix
+    if second != cached_second:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _second_prefix = (second, prefix)
+    return f"{prefix}.{fraction:06d}Z"
 
 
 @dataclass(frozen=True)
@@ -280,8 +292,10 @@ def build_envelope(
         envelope["dataschema"] = dataschema
     if traceparent is not None:
         envelope["traceparent"] = traceparent
-    head = json.dumps(envelope, ensure_ascii=False, separators=(",", ":"))
-    text = head[:-1] + ',"data":' + data_json + "}"
+    # Every attribute is a str, so the head is assembled directly; the payload
+    # is spliced in as already serialised.
+    head = ",".join(f"{_json_string(k)}:{_json_string(v)}" for k, v in envelope.items())
+    text = "{" + head + ',"data":' + data_json + "}"
     try:
         value = text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -313,17 +327,20 @@ def headers_to_json(headers: list[tuple[str, bytes]]) -> str:
     PostgreSQL's jsonb cannot hold NUL characters, so values containing NUL
     are stored as base64 too; the bytes sent are always the bytes given.
     """
-    items: list[list[object]] = []
+    items: list[str] = []
     for name, value in headers:
-        try:
-            text = value.decode("utf-8")
-        except UnicodeDecodeError:
-            text = None
-        if text is None or "\x00" in text:
-            items.append([name, {"base64": base64.b64encode(value).decode("ascii")}])
+        text: str | None = None
+        if b"\x00" not in value:
+            try:
+                text = value.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+        if text is None:
+            encoded = base64.b64encode(value).decode("ascii")
+            items.append(f'[{_json_string(name)},{{"base64":"{encoded}"}}]')
         else:
-            items.append([name, text])
-    return json.dumps(items, ensure_ascii=False, separators=(",", ":"))
+            items.append(f"[{_json_string(name)},{_json_string(text)}]")
+    return "[" + ",".join(items) + "]"
 
 
 def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:

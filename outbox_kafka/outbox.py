@@ -45,7 +45,7 @@ from .errors import (
     UnsafeConnection,
 )
 from .naming import TableNames
-from .queries import Queries, queries_for
+from .queries import Queries, pg_array, queries_for
 from .validation import EventSchemas, envelope_schema, load_event_schemas
 
 #: Kafka's default ``message.max.bytes`` is 1 MiB; keep 16 KiB for record overhead.
@@ -218,13 +218,13 @@ class Outbox:
             dataschema=None if schema is None else schema.schema_id,
             traceparent=traceparent,
         )
-        # Validate what consumers will see: the envelope and payload as encoded.
-        sent = json.loads(value)
         if schema is not None:
-            problem = schema.first_error(sent["data"])
+            # Validate what consumers will see: the payload after JSON encoding.
+            problem = schema.first_error(json.loads(data_json))
             if problem is not None:
                 raise DataSchemaViolation("data", f"does not match {event_type}.json {problem}")
-        problem = envelope_schema().first_error(sent)
+        # The attributes are plain strings, so the dict is exactly what was encoded.
+        problem = envelope_schema().first_error({**envelope, "data": None})
         if problem is not None:
             raise EnvelopeInvalid("envelope", problem)
         headers = standard_headers(event_id, event_type, source, traceparent) + own_headers
@@ -378,13 +378,15 @@ def _connection_of(conn: Connectable) -> Connection:
 
 def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> dict[str, Any]:
     return {
-        "event_ids": [str(e.event_id) for e in encoded],
-        "ordering_keys": [e.key for e in encoded],
-        "topics": [e.topic for e in encoded],
-        "types": [e.type for e in encoded],
-        "event_values": [e.value for e in encoded],
-        "available_ats": [e.available_at for e in encoded],
-        "event_headers": [headers_to_json(e.headers) for e in encoded],
+        "event_ids": pg_array([str(e.event_id) for e in encoded]),
+        "ordering_keys": pg_array([e.key for e in encoded]),
+        "topics": pg_array([e.topic for e in encoded]),
+        "types": pg_array([e.type for e in encoded]),
+        "event_values": pg_array([e.value for e in encoded]),
+        "available_ats": pg_array(
+            [None if e.available_at is None else e.available_at.isoformat() for e in encoded]
+        ),
+        "event_headers": pg_array([headers_to_json(e.headers) for e in encoded]),
         "notify": notify,
         "channel": channel,
     }

@@ -23,7 +23,7 @@ from .database import make_engine, redact_url
 from .envelope import headers_from_json
 from .errors import StorageError
 from .naming import TableNames
-from .queries import queries_for
+from .queries import pg_array, queries_for
 
 
 @dataclass(frozen=True)
@@ -86,28 +86,6 @@ class FinishResult:
     discarded: int
     retried: int
     latencies: list[float]
-
-
-def _array_element(value: str | int | float | bool | None) -> str:
-    if value is None:
-        return "NULL"
-    if value is True:
-        return "t"
-    if value is False:
-        return "f"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def pg_array(values: Sequence[str | int | float | bool | None]) -> str:
-    """A PostgreSQL array literal, e.g. ``{"a",NULL,3}``.
-
-    One string parameter parsed by the server is much cheaper than the
-    ``ARRAY[...]`` expression psycopg2 builds from a list: at a thousand
-    elements per array this is the larger part of recording a batch.
-    """
-    return "{" + ",".join(map(_array_element, values)) + "}"
 
 
 @contextlib.contextmanager
