@@ -25,6 +25,9 @@ from .validation import envelope_schema
 
 log = logging.getLogger("outbox_kafka.publisher")
 
+#: After a failed metadata fetch, topic checks fail fast for this long.
+METADATA_RETRY_SECONDS = 2.0
+
 DELIVERED = "delivered"
 RETRIABLE = "retriable"
 PERMANENT = "permanent"
@@ -65,8 +68,25 @@ class Delivery:
     fatal: bool = False
 
 
+# Errors that leave the idempotent producer's session unusable: the relay
+# starts a new producer and retries the events. Some brokers fence a producer
+# for good once its epoch was bumped after timed-out requests.
+_REBUILD_CODES = {
+    KafkaError._FATAL,
+    KafkaError.PRODUCER_FENCED,
+    KafkaError.INVALID_PRODUCER_EPOCH,
+    KafkaError.UNKNOWN_PRODUCER_ID,
+    KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+    KafkaError.INVALID_PRODUCER_ID_MAPPING,
+}
+
+
+def _needs_rebuild(err: KafkaError) -> bool:
+    return bool(err.fatal()) or err.code() in _REBUILD_CODES
+
+
 def _verdict(err: KafkaError) -> str:
-    if err.fatal():
+    if _needs_rebuild(err):
         return RETRIABLE  # the producer is rebuilt; the event itself is fine
     if err.code() in _PERMANENT_CODES:
         return PERMANENT
@@ -103,6 +123,7 @@ class Publisher:
         *,
         create_partitions: int | None = None,
         stats_callback: Callable[[str], None] | None = None,
+        metadata_timeout: float = 5.0,
     ) -> None:
         self._config = dict(producer_config)
         if stats_callback is not None:
@@ -110,7 +131,9 @@ class Publisher:
         self._admin_config = admin_config
         self._create_partitions = create_partitions
         self._known_topics: set[str] = set()
-        self._missing_checked: dict[str, float] = {}
+        self._metadata_timeout = metadata_timeout
+        self._metadata_retry_at = 0.0
+        self._metadata_error = ""
         self._lock = threading.Lock()
         self.max_message_bytes = int(producer_config.get("message.max.bytes", 1_000_000))
         self._producer = self._new_producer()
@@ -136,10 +159,16 @@ class Publisher:
         """``(verdict, reason)`` if messages to ``topic`` cannot be sent now."""
         if topic in self._known_topics:
             return None
+        now = time.monotonic()
+        if now < self._metadata_retry_at:
+            # The last fetch failed moments ago: do not block on it again per event.
+            return RETRIABLE, self._metadata_error
         try:
-            metadata = self._producer.list_topics(timeout=5)
+            metadata = self._producer.list_topics(timeout=self._metadata_timeout)
         except KafkaException as exc:
-            return RETRIABLE, f"METADATA_UNAVAILABLE: cannot read topic metadata: {exc}"
+            self._metadata_error = f"METADATA_UNAVAILABLE: cannot read topic metadata: {exc}"
+            self._metadata_retry_at = time.monotonic() + METADATA_RETRY_SECONDS
+            return RETRIABLE, self._metadata_error
         for name, meta in metadata.topics.items():
             if meta.error is None:
                 self._known_topics.add(name)
@@ -178,15 +207,13 @@ class Publisher:
         messages: Sequence[Message],
         *,
         timeout: float,
-        hold_after_permanent: bool,
         abort: Callable[[], bool] | None = None,
     ) -> list[Delivery]:
         """Produce every message, wait once for all reports, return one Delivery each.
 
         When ``produce()`` itself refuses a message, the later messages of the
         same ordering key are not handed over in this batch (their Delivery
-        has ``sent=False``): after a retriable refusal always, after a
-        permanent one when ``hold_after_permanent`` is set. ``abort`` is
+        has ``sent=False``), so nothing overtakes it. ``abort`` is
         polled while waiting; when it returns True the wait ends early and
         unreported messages stay unreported.
         """
@@ -205,11 +232,11 @@ class Publisher:
                 if isinstance(err, KafkaError):
                     delivery.verdict = _verdict(err)
                     delivery.error = _describe(err)
+                    delivery.fatal = _needs_rebuild(err)
                 else:
                     delivery.verdict = RETRIABLE
                     delivery.error = str(exc)
-                if delivery.verdict == RETRIABLE or hold_after_permanent:
-                    held.add(msg.key)
+                held.add(msg.key)
         self._wait(deliveries, timeout, abort)
         return deliveries
 
@@ -232,7 +259,7 @@ class Publisher:
         else:
             delivery.verdict = _verdict(err)
             delivery.error = _describe(err)
-            delivery.fatal = bool(err.fatal())
+            delivery.fatal = _needs_rebuild(err)
 
     def _wait(
         self, deliveries: list[Delivery], timeout: float, abort: Callable[[], bool] | None

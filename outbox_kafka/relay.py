@@ -26,7 +26,15 @@ from tenacity import (
 from .envelope import check_topic
 from .errors import EventError, StorageError
 from .metrics import RelayMetrics
-from .publisher import DELIVERED, PERMANENT, Delivery, Message, Publisher, check_envelope
+from .publisher import (
+    DELIVERED,
+    PERMANENT,
+    RETRIABLE,
+    Delivery,
+    Message,
+    Publisher,
+    check_envelope,
+)
 from .settings import RelaySettings
 from .store import Claim, ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome, Store
 
@@ -78,6 +86,7 @@ class Relay:
             settings.admin_config(),
             create_partitions=settings.create_topics,
             stats_callback=self.metrics.observe_librdkafka_stats,
+            metadata_timeout=min(5.0, settings.lease_seconds / 4),
         )
         self._stop = threading.Event()
         self._stop_deadline: float | None = None
@@ -198,8 +207,6 @@ class Relay:
 
     def _publish(self, claim: Claim) -> tuple[list[KeyOutcome], list[EventOutcome], int]:
         """Send the claimed events; decide every key's and event's next state."""
-        settings = self.settings
-        park = settings.on_exhausted == "park"
         key_outcomes: list[KeyOutcome] = []
         plans: list[tuple[ClaimedKey, list[ClaimedEvent], KeyOutcome | None]] = []
         to_send: list[Message] = []
@@ -224,8 +231,11 @@ class Relay:
             for event in due:
                 problem = self._precheck(event)
                 if problem is not None:
+                    # Nothing later of this key goes out in this batch: whatever
+                    # becomes of this event (retry, park, discard), it is settled
+                    # before anything behind it is sent.
                     precheck[id(event)] = problem
-                    continue
+                    break
                 sendable.append(event)
                 to_send.append(
                     Message(event.topic, event.key.encode(), event.value, event.headers or [])
@@ -234,10 +244,7 @@ class Relay:
         deliveries_by_event: dict[int, Delivery] = {}
         if to_send:
             deliveries = self.publisher.send(
-                to_send,
-                timeout=self._send_timeout,
-                hold_after_permanent=park,
-                abort=self._past_shutdown_deadline,
+                to_send, timeout=self._send_timeout, abort=self._past_shutdown_deadline
             )
             deliveries_by_event = {id(e): d for e, d in zip(sendable, deliveries, strict=True)}
 
@@ -370,18 +377,25 @@ class Relay:
                 delay = backoff
                 continue
             reason = error if verdict == PERMANENT else f"gave up after {attempt} attempts: {error}"
-            if not self._dead_letter(event, reason or "unknown error"):
-                # The dead-letter copy did not make it: keep the event, retry later.
+            copy_verdict, copy_error = self._dead_letter(event, reason or "unknown error")
+            if copy_verdict == RETRIABLE:
+                # The dead-letter copy did not make it yet: keep the event, retry later.
                 backoff = backoff_delay(
                     attempt, settings.backoff_base, settings.backoff_cap, self._rng
                 )
                 out.append(
-                    EventOutcome(event.event_id, ck.key, "pending", 0, backoff, None, None, error)
+                    EventOutcome(
+                        event.event_id, ck.key, "pending", 1, backoff, None, None, copy_error
+                    )
                 )
                 blocked = True
                 next_seq = event.seq
                 delay = backoff
                 continue
+            if copy_verdict == PERMANENT:
+                # No copy can ever be made (e.g. too large for the dead-letter topic too):
+                # the row itself, discarded with its reason, is what remains.
+                reason = f"{reason}; dead-letter copy impossible: {copy_error}"
             out.append(
                 EventOutcome(event.event_id, ck.key, "discarded", 1, 0.0, None, None, reason)
             )
@@ -407,34 +421,38 @@ class Relay:
         exhausted_key = drained and not blocked and not parked
         return KeyOutcome(ck.key, next_seq, delay, parked, exhausted_key)
 
-    def _dead_letter(self, event: ClaimedEvent, reason: str) -> bool:
+    def _dead_letter(self, event: ClaimedEvent, reason: str) -> tuple[str, str | None]:
+        """Copy a discarded event to the dead-letter topic: (verdict, error).
+
+        DELIVERED when copied or when no dead-letter topic is configured.
+        """
         topic = self.settings.dead_letter_topic
         if topic is None:
-            return True
+            return DELIVERED, None
         headers = [
             *(event.headers or []),
             ("outbox_error", reason.encode("utf-8", "replace")[:4096]),
             ("outbox_original_topic", event.topic.encode()),
         ]
         problem = self.publisher.topic_problem(topic)
-        if problem is not None:
-            log.error(
-                "dead-letter topic unavailable",
-                extra={"action": "dead_letter_failed", "topic": topic, "error": problem[1]},
+        if problem is None:
+            [delivery] = self.publisher.send(
+                [Message(topic, event.key.encode(), event.value, headers)],
+                timeout=self._send_timeout,
             )
-            return False
-        [delivery] = self.publisher.send(
-            [Message(topic, event.key.encode(), event.value, headers)],
-            timeout=self._send_timeout,
-            hold_after_permanent=False,
+            if delivery.verdict == DELIVERED:
+                return DELIVERED, None
+            problem = (delivery.verdict, delivery.error or "no delivery report")
+        log.error(
+            "dead-letter copy failed",
+            extra={
+                "action": "dead_letter_failed",
+                "event_id": event.event_id,
+                "topic": topic,
+                "error": problem[1],
+            },
         )
-        if delivery.verdict != DELIVERED:
-            log.error(
-                "dead-letter copy failed",
-                extra={"action": "dead_letter_failed", "topic": topic, "error": delivery.error},
-            )
-            return False
-        return True
+        return problem
 
     # Waiting, retrying, housekeeping -------------------------------------------
 
@@ -468,7 +486,7 @@ class Relay:
 
         retrying = Retrying(
             retry=retry_if_exception_type(StorageError),
-            wait=wait_exponential_jitter(initial=0.1, max=5.0),
+            wait=wait_exponential_jitter(multiplier=0.1, max=5.0, jitter=0.1),
             stop=should_stop,
             before_sleep=before_sleep,
             sleep=lambda seconds: self._interruptible_sleep(seconds, stop_on_shutdown),

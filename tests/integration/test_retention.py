@@ -1,0 +1,72 @@
+"""Retention: old delivered and discarded events are purged in bounded batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from outbox_kafka import Event
+from outbox_kafka.relay import Relay
+from tests.relay_support import enqueue_bulk, make_settings, topic_outbox
+
+AGE = sa.text(
+    "UPDATE outbox SET status = :status, delivered_at = CASE WHEN :status = 'delivered' "
+    "THEN now() - make_interval(days => :days) END, "
+    "created_at = now() - make_interval(days => :days) WHERE event_id = ANY(CAST(:ids AS uuid[]))"
+)
+STATUSES = sa.text("SELECT status, count(*) FROM outbox GROUP BY status ORDER BY status")
+
+
+def _age(engine: sa.Engine, ids: list[str], status: str, days: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(AGE, {"status": status, "days": days, "ids": ids})
+
+
+def test_purge_removes_only_events_past_retention(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(1)
+    ids = enqueue_bulk(
+        engine,
+        topic_outbox(),
+        [Event(type="t", key=f"k{i % 7}", topic=topic, data={"i": i}) for i in range(250)],
+    )
+    _age(engine, ids[0:100], "delivered", 8)  # past the 7-day default: purged
+    _age(engine, ids[100:120], "delivered", 6)  # kept
+    _age(engine, ids[120:150], "discarded", 91)  # past the 90-day default: purged
+    _age(engine, ids[150:170], "discarded", 89)  # kept
+    # The remaining 80 stay pending, however old.
+    _age(engine, ids[170:250], "pending", 400)
+
+    relay = Relay(make_settings(database_url, kafka_bootstrap, purge_batch=7))
+    try:
+        relay.purge_once()
+    finally:
+        relay.close()
+
+    with engine.connect() as conn:
+        counts = dict(conn.execute(STATUSES).all())
+        left = set(conn.execute(sa.text("SELECT CAST(event_id AS text) FROM outbox")).scalars())
+    assert counts == {"delivered": 20, "discarded": 20, "pending": 80}
+    assert left == set(ids[100:120]) | set(ids[150:170]) | set(ids[170:250])
+    purged = relay.metrics.purged.collect()[0].samples[0].value
+    assert purged == 130
+
+
+def test_retention_is_configurable(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(1)
+    ids = enqueue_bulk(
+        engine, topic_outbox(), [Event(type="t", key="k", topic=topic, data={}) for _ in range(10)]
+    )
+    _age(engine, ids[:5], "delivered", 2)
+    _age(engine, ids[5:], "delivered", 0)
+    relay = Relay(make_settings(database_url, kafka_bootstrap, retain_delivered_seconds=86400))
+    try:
+        relay.purge_once()
+    finally:
+        relay.close()
+    with engine.connect() as conn:
+        assert dict(conn.execute(STATUSES).all()) == {"delivered": 5}

@@ -1,0 +1,471 @@
+"""Helpers for the relay tests: settings, a Kafka reader, murmur2, a TCP proxy, relay threads.
+
+Nothing here imports the relay's internals beyond its public classes: the
+reader is a plain confluent-kafka consumer, murmur2 is written out from
+Kafka's Java implementation, and the proxy is a socket pump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from outbox_kafka import Event, Outbox
+from outbox_kafka.relay import CycleReport, Relay
+from outbox_kafka.settings import RelaySettings
+
+# --------------------------------------------------------------------------- settings
+
+
+def make_settings(database_url: str, bootstrap: str, **overrides: Any) -> RelaySettings:
+    """Relay settings tuned for tests: short leases, timeouts and backoffs."""
+    values: dict[str, Any] = {
+        "lease_seconds": 5.0,
+        "delivery_timeout_ms": 3000,
+        "poll_interval": 0.1,
+        "backoff_base": 0.05,
+        "backoff_cap": 0.5,
+        "shutdown_timeout": 10.0,
+    }
+    values.update(overrides)
+    return RelaySettings(database_url=database_url, bootstrap_servers=bootstrap, **values)
+
+
+# --------------------------------------------------------------------------- events
+
+
+def topic_outbox(**kwargs: Any) -> Outbox:
+    """An outbox without schemas: any type, topic given per event."""
+    return Outbox(allow_unknown_types=True, **kwargs)
+
+
+def enqueue_bulk(
+    engine: sa.Engine,
+    outbox: Outbox,
+    events: Sequence[Event],
+    *,
+    chunk: int = 1000,
+) -> list[str]:
+    """Write ``events`` in transactions of ``chunk`` events; return their ids as text."""
+    ids: list[str] = []
+    for start in range(0, len(events), chunk):
+        with engine.begin() as conn:
+            ids.extend(str(i) for i in outbox.enqueue_many(conn, events[start : start + chunk]))
+    return ids
+
+
+def seq_events(topic: str, keys: Sequence[str], count: int, *, type: str = "t.e") -> list[Event]:
+    """``count`` events spread round-robin over ``keys``; data carries a per-key ``n``."""
+    per_key: dict[str, int] = {}
+    events = []
+    for i in range(count):
+        key = keys[i % len(keys)]
+        n = per_key.get(key, 0)
+        per_key[key] = n + 1
+        events.append(Event(type=type, key=key, data={"n": n, "i": i}, topic=topic))
+    return events
+
+
+# --------------------------------------------------------------------------- reading Kafka
+
+
+@dataclass(frozen=True)
+class Record:
+    key: str | None
+    key_bytes: bytes | None
+    value: Any
+    raw: bytes
+    headers: dict[str, bytes]
+    header_list: list[tuple[str, bytes]]
+    partition: int
+    offset: int
+
+    @property
+    def ce_id(self) -> str:
+        return self.headers["ce_id"].decode()
+
+
+def _partitions(consumer: Consumer, topic: str, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = consumer.list_topics(topic, timeout=max(1.0, deadline - time.monotonic()))
+        t = meta.topics.get(topic)
+        if t is not None and t.error is None and t.partitions:
+            return sorted(t.partitions)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"topic {topic} has no partitions in the metadata")
+        time.sleep(0.2)
+
+
+def _to_record(msg: Any) -> Record:
+    raw: bytes = msg.value() or b""
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = None
+    header_list = [(n, v if v is not None else b"") for n, v in (msg.headers() or [])]
+    key = msg.key()
+    return Record(
+        key=key.decode() if key is not None else None,
+        key_bytes=key,
+        value=value,
+        raw=raw,
+        headers=dict(header_list),
+        header_list=header_list,
+        partition=msg.partition(),
+        offset=msg.offset(),
+    )
+
+
+class TopicReader:
+    """Reads a topic from the beginning of every partition, incrementally."""
+
+    def __init__(self, bootstrap: str, topic: str, *, timeout: float = 30.0) -> None:
+        self.topic = topic
+        self.records: list[Record] = []
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"test-{uuid.uuid4().hex}",
+                "enable.auto.commit": "false",
+                "auto.offset.reset": "earliest",
+                "fetch.message.max.bytes": str(8 * 1024 * 1024),
+            }
+        )
+        self.partitions = _partitions(self._consumer, topic, timeout)
+        self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in self.partitions])
+
+    def poll(self, seconds: float) -> int:
+        """Read for up to ``seconds``; return how many records arrived."""
+        deadline = time.monotonic() + seconds
+        got = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return got
+            batch = self._consumer.consume(num_messages=10_000, timeout=min(left, 0.5))
+            for msg in batch:
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise AssertionError(f"consumer error: {err}")
+                self.records.append(_to_record(msg))
+                got += 1
+
+    def until(self, expected: int, timeout: float) -> list[Record]:
+        """Read until ``expected`` distinct ce_ids have arrived, or ``timeout`` runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(self.distinct_ids()) < expected:
+            self.poll(min(0.5, max(0.0, deadline - time.monotonic())))
+        return self.records
+
+    def settle(self, seconds: float = 1.0) -> list[Record]:
+        """Keep reading until nothing new arrives for ``seconds``."""
+        while self.poll(seconds):
+            pass
+        return self.records
+
+    def distinct_ids(self) -> set[str]:
+        return {r.ce_id for r in self.records if "ce_id" in r.headers}
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def consume_all(bootstrap: str, topic: str, expected: int, timeout: float = 60.0) -> list[Record]:
+    """Every record of ``topic``: waits for ``expected`` distinct ce_ids, then for quiet.
+
+    The quiet period catches duplicates and extra messages beyond ``expected``.
+    """
+    reader = TopicReader(bootstrap, topic)
+    try:
+        reader.until(expected, timeout)
+        reader.settle(1.0)
+        return list(reader.records)
+    finally:
+        reader.close()
+
+
+# --------------------------------------------------------------------------- murmur2
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's ``Utils.murmur2`` (Java), as a signed 32-bit int."""
+    mask = 0xFFFFFFFF
+    m = 0x5BD1E995
+    r = 24
+    length = len(data)
+    h = (0x9747B28C ^ length) & mask
+    full = length - length % 4
+    for i in range(0, full, 4):
+        k = data[i] | data[i + 1] << 8 | data[i + 2] << 16 | data[i + 3] << 24
+        k = (k * m) & mask
+        k ^= k >> r
+        k = (k * m) & mask
+        h = (h * m) & mask
+        h ^= k
+    rest = length % 4
+    if rest == 3:
+        h ^= data[full + 2] << 16
+    if rest >= 2:
+        h ^= data[full + 1] << 8
+    if rest >= 1:
+        h ^= data[full]
+        h = (h * m) & mask
+    h ^= h >> 13
+    h = (h * m) & mask
+    h ^= h >> 15
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def kafka_partition(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner picks for a non-null key."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+# --------------------------------------------------------------------------- TCP proxy
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:``port`` to ``target``; :meth:`cut` drops everything until restored."""
+
+    def __init__(self, target_port: int, *, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.target = (host, target_port)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(128)
+        self._listener.settimeout(0.1)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._cut = threading.Event()
+        self._closed = threading.Event()
+        self.connections = 0
+        self._thread = threading.Thread(target=self._accept_loop, name="proxy-accept", daemon=True)
+
+    def start(self) -> TcpProxy:
+        self._thread.start()
+        return self
+
+    def set_target(self, target_port: int) -> None:
+        self.target = (self.target[0], target_port)
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut.is_set()
+
+    def cut(self) -> None:
+        """Close every connection and refuse (accept-and-close) new ones."""
+        self._cut.set()
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for a, b in pairs:
+            _close(a)
+            _close(b)
+
+    def restore(self) -> None:
+        self._cut.clear()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.cut()
+        self._thread.join(5)
+        _close(self._listener)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if self._cut.is_set():
+                _close(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                _close(client)
+                continue
+            upstream.settimeout(None)
+            client.settimeout(None)
+            with self._lock:
+                if self._cut.is_set():
+                    _close(client)
+                    _close(upstream)
+                    continue
+                self._pairs.append((client, upstream))
+                self.connections += 1
+            threading.Thread(
+                target=self._pump, args=(client, upstream), name="proxy-pump", daemon=True
+            ).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        peers = {a: b, b: a}
+        try:
+            while not self._cut.is_set():
+                ready, _, _ = select.select([a, b], [], [], 0.2)
+                for sock in ready:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    peers[sock].sendall(data)
+        except (OSError, ValueError):
+            return
+        finally:
+            _close(a)
+            _close(b)
+            with self._lock, contextlib.suppress(ValueError):
+                self._pairs.remove((a, b))
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+# --------------------------------------------------------------------------- relay threads
+
+
+class RelayThread:
+    """``Relay.run()`` in a thread; remembers an exception that killed it."""
+
+    def __init__(self, relay: Relay, name: str = "relay") -> None:
+        self.relay = relay
+        self.error: BaseException | None = None
+        self.cycles = 0
+        self.reports: list[CycleReport] = []
+        original: Callable[[], CycleReport] = relay.cycle
+
+        def counting_cycle() -> CycleReport:
+            report = original()
+            self.cycles += 1
+            self.reports.append(report)
+            return report
+
+        relay.cycle = counting_cycle  # type: ignore[method-assign]
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.relay.run()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def start(self) -> RelayThread:
+        self._thread.start()
+        return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.relay.stop()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError("the relay thread did not stop in time")
+
+    def total(self, field: str) -> int:
+        return sum(int(getattr(r, field)) for r in list(self.reports))
+
+
+@contextlib.contextmanager
+def running_relay(relay: Relay, name: str = "relay") -> Iterator[RelayThread]:
+    thread = RelayThread(relay, name).start()
+    try:
+        yield thread
+    finally:
+        if thread.is_alive():
+            thread.stop()
+
+
+# --------------------------------------------------------------------------- database views
+
+
+def scalar(engine: sa.Engine, sql: str, **params: Any) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(sa.text(sql), params).scalar()
+
+
+def wait_until(
+    condition: Callable[[], bool],
+    timeout: float,
+    *,
+    interval: float = 0.2,
+    what: str = "",
+    explain: Callable[[], str] | None = None,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            detail = f"\n{explain()}" if explain is not None else ""
+            raise AssertionError(
+                f"timed out after {timeout} s waiting for {what or condition}{detail}"
+            )
+        time.sleep(interval)
+
+
+def outbox_summary(engine: sa.Engine) -> str:
+    """Events by status, attempts and error, for failure messages."""
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.text(
+                "SELECT status, attempts > 0 AS retried, left(last_error, 160) AS error, "
+                "count(*) AS n FROM outbox GROUP BY 1, 2, 3 ORDER BY 4 DESC LIMIT 12"
+            )
+        ).all()
+    return "\n".join(f"  {r.n:6d} {r.status:9s} retried={r.retried} {r.error}" for r in found)
+
+
+def delivered_count(engine: sa.Engine) -> int:
+    return int(scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'delivered'"))
+
+
+def claimed_count(engine: sa.Engine) -> int:
+    """Keys a relay holds a claim on right now."""
+    return int(scalar(engine, "SELECT count(*) FROM outbox_keys WHERE claim_token IS NOT NULL"))
+
+
+def discarded_count(engine: sa.Engine) -> int:
+    return int(scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'discarded'"))
+
+
+def first_occurrences(records: Sequence[Record]) -> list[Record]:
+    """Records in consumption order with repeats of an already seen ce_id dropped."""
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        if r.ce_id not in seen:
+            seen.add(r.ce_id)
+            out.append(r)
+    return out
+
+
+def by_partition_offset(records: Sequence[Record]) -> list[Record]:
+    return sorted(records, key=lambda r: (r.partition, r.offset))
+
+
+def per_key_order(records: Sequence[Record]) -> dict[str, list[str]]:
+    """ce_ids per key in Kafka order (partition, offset), first occurrence of each."""
+    order: dict[str, list[str]] = {}
+    for r in first_occurrences(by_partition_offset(records)):
+        assert r.key is not None
+        order.setdefault(r.key, []).append(r.ce_id)
+    return order
