@@ -354,43 +354,19 @@ class Relay:
             attempt = event.attempts + 1
             exhausted = verdict == PERMANENT or attempt >= settings.max_attempts
             if not exhausted:
-                backoff = backoff_delay(
-                    attempt, settings.backoff_base, settings.backoff_cap, self._rng
-                )
-                out.append(
-                    EventOutcome(event.event_id, ck.key, "pending", 1, backoff, None, None, error)
-                )
                 self.metrics.retried.labels(topic=event.topic, reason=_reason(error)).inc()
                 log.warning(
-                    "send failed, will retry",
-                    extra={
-                        "action": "retry",
-                        "event_id": event.event_id,
-                        "key": ck.key,
-                        "topic": event.topic,
-                        "attempt": attempt,
-                        "error": error,
-                    },
+                    "send failed, will retry", extra=_fields(event, "retry", attempt, error)
                 )
-                blocked = True
-                next_seq = event.seq
-                delay = backoff
+                blocked, next_seq = True, event.seq
+                delay = self._retry_later(event, attempt, error, out)
                 continue
             reason = error if verdict == PERMANENT else f"gave up after {attempt} attempts: {error}"
             copy_verdict, copy_error = self._dead_letter(event, reason or "unknown error")
             if copy_verdict == RETRIABLE:
                 # The dead-letter copy did not make it yet: keep the event, retry later.
-                backoff = backoff_delay(
-                    attempt, settings.backoff_base, settings.backoff_cap, self._rng
-                )
-                out.append(
-                    EventOutcome(
-                        event.event_id, ck.key, "pending", 1, backoff, None, None, copy_error
-                    )
-                )
-                blocked = True
-                next_seq = event.seq
-                delay = backoff
+                blocked, next_seq = True, event.seq
+                delay = self._retry_later(event, attempt, copy_error, out)
                 continue
             if copy_verdict == PERMANENT:
                 # No copy can ever be made (e.g. too large for the dead-letter topic too):
@@ -401,16 +377,7 @@ class Relay:
             )
             self.metrics.discarded.labels(topic=event.topic, reason=_reason(error)).inc()
             log.error(
-                "event discarded",
-                extra={
-                    "action": "discard",
-                    "event_id": event.event_id,
-                    "key": ck.key,
-                    "topic": event.topic,
-                    "attempt": attempt,
-                    "error": reason,
-                    "parked": park,
-                },
+                "event discarded", extra=_fields(event, "discard", attempt, reason, parked=park)
             )
             if park:
                 blocked = True
@@ -420,6 +387,17 @@ class Relay:
         drained = len(due) == len(ck.events) < per_key_limit
         exhausted_key = drained and not blocked and not parked
         return KeyOutcome(ck.key, next_seq, delay, parked, exhausted_key)
+
+    def _retry_later(
+        self, event: ClaimedEvent, attempt: int, error: str | None, out: list[EventOutcome]
+    ) -> float:
+        """Record one more failed attempt and return the backoff before the next."""
+        settings = self.settings
+        backoff = backoff_delay(attempt, settings.backoff_base, settings.backoff_cap, self._rng)
+        out.append(
+            EventOutcome(event.event_id, event.key, "pending", 1, backoff, None, None, error)
+        )
+        return backoff
 
     def _dead_letter(self, event: ClaimedEvent, reason: str) -> tuple[str, str | None]:
         """Copy a discarded event to the dead-letter topic: (verdict, error).
@@ -445,12 +423,7 @@ class Relay:
             problem = (delivery.verdict, delivery.error or "no delivery report")
         log.error(
             "dead-letter copy failed",
-            extra={
-                "action": "dead_letter_failed",
-                "event_id": event.event_id,
-                "topic": topic,
-                "error": problem[1],
-            },
+            extra=_fields(event, "dead_letter_failed", event.attempts + 1, problem[1], to=topic),
         )
         return problem
 
@@ -526,6 +499,21 @@ class Relay:
         if removed:
             self.metrics.purged.inc(removed)
             log.info("purged old events", extra={"action": "purge", "events": removed})
+
+
+def _fields(
+    event: ClaimedEvent, action: str, attempt: int, error: str | None, **more: object
+) -> dict[str, object]:
+    """The structured fields of a log record about one event."""
+    return {
+        "action": action,
+        "event_id": event.event_id,
+        "key": event.key,
+        "topic": event.topic,
+        "attempt": attempt,
+        "error": error,
+        **more,
+    }
 
 
 def _reason(error: str | None) -> str:
