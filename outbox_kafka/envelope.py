@@ -345,18 +345,21 @@ def headers_to_json(headers: list[tuple[str, bytes]]) -> str:
 
 def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:
     """The headers to send from their stored form; None when the row is malformed."""
-    if not isinstance(stored, list):
+    if type(stored) is not list:
         return None
     headers: list[tuple[str, bytes]] = []
+    append = headers.append
     for item in stored:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+        if type(item) is not list or len(item) != 2:
             return None
         name, value = item
-        if isinstance(value, str):
-            headers.append((name, value.encode("utf-8")))
-        elif isinstance(value, dict) and isinstance(value.get("base64"), str):
+        if type(name) is not str:
+            return None
+        if type(value) is str:
+            append((name, value.encode("utf-8")))
+        elif type(value) is dict and type(value.get("base64")) is str:
             try:
-                headers.append((name, base64.b64decode(value["base64"], validate=True)))
+                append((name, base64.b64decode(value["base64"], validate=True)))
             except ValueError:
                 return None
         else:

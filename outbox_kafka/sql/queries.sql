@@ -69,8 +69,7 @@ WITH candidates AS (
     SET claim_token = :token,
         lease_expires_at = now() + make_interval(secs => :lease_seconds),
         due_at = now() + make_interval(secs => :lease_seconds)
-    FROM candidates c
-    WHERE k.ordering_key = c.ordering_key
+    WHERE k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
     RETURNING k.ordering_key, k.next_seq
 ), per_key AS (
     SELECT GREATEST(1, CAST(:batch_size AS bigint) / GREATEST(1, count(*))) AS n FROM claimed
@@ -122,8 +121,7 @@ WITH batch_keys AS (
     FOR UPDATE OF s SKIP LOCKED
 ), removed AS (
     DELETE FROM {keys} h
-    USING removable r
-    WHERE h.ordering_key = r.ordering_key
+    WHERE h.ordering_key = ANY(ARRAY(SELECT ordering_key FROM removable))
       AND h.claim_token = :token
     RETURNING h.ordering_key
 ), kept AS (
@@ -135,6 +133,7 @@ WITH batch_keys AS (
         parked_at = CASE WHEN v.park THEN now() END
     FROM batch_keys v
     WHERE h.ordering_key = v.ordering_key
+      AND h.ordering_key = ANY(CAST(:key_names AS text[]))
       AND h.claim_token = :token
       AND h.ordering_key NOT IN (SELECT ordering_key FROM removed)
     RETURNING h.ordering_key
@@ -165,6 +164,7 @@ WITH batch_keys AS (
         CAST(:event_errors AS text[])
     ) AS r(event_id, ordering_key, status, attempt, delay, kafka_partition, kafka_offset, error)
     WHERE e.event_id = r.event_id
+      AND e.event_id = ANY(CAST(:event_ids AS uuid[]))
       AND e.status = 'pending'
       AND r.ordering_key IN (SELECT ordering_key FROM owned)
     RETURNING e.event_id, e.status, EXTRACT(EPOCH FROM now() - e.created_at) AS latency

@@ -59,3 +59,18 @@ CREATE TABLE {keys} (
 );
 
 CREATE INDEX {keys_due_idx} ON {keys} (due_at) WHERE parked_at IS NULL;
+
+-- The key queue and the counters are small and rewritten on every batch and
+-- enqueue: vacuum them by row count, not by table fraction, so dead rows do
+-- not pile up between autovacuum runs.
+ALTER TABLE {keys} SET (
+    fillfactor = 70,
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 2000,
+    autovacuum_vacuum_cost_delay = 0
+);
+ALTER TABLE {seqs} SET (
+    fillfactor = 80,
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0
+);
