@@ -93,6 +93,7 @@ class Relay:
         self._rng = random.Random()
         self._last_purge = 0.0
         self._valid_topics: set[str] = set()
+        self._keys_per_claim = settings.batch_size
         self.last_cycle_at: float | None = None
         self._send_timeout = settings.effective_delivery_timeout_ms / 1000 + 5.0
 
@@ -168,13 +169,17 @@ class Relay:
     def cycle(self) -> CycleReport:
         """One claim -> publish -> record round."""
         started = time.monotonic()
+        keys_wanted = self._keys_per_claim
         claim = self._with_db_retry(
             lambda: self.store.claim(
-                batch_size=self.settings.batch_size, lease_seconds=self.settings.lease_seconds
+                batch_size=self.settings.batch_size,
+                lease_seconds=self.settings.lease_seconds,
+                max_keys=keys_wanted,
             ),
             stop_on_shutdown=True,
         )
         self.metrics.claim_seconds.observe(time.monotonic() - started)
+        self._adapt_keys_per_claim(claim, keys_wanted)
         report = CycleReport(keys=len(claim.keys))
         if not claim.keys:
             self.last_cycle_at = time.monotonic()
@@ -204,6 +209,23 @@ class Relay:
             self.metrics.commit_to_ack_seconds.observe(latency)
         self.last_cycle_at = time.monotonic()
         return report
+
+    def _adapt_keys_per_claim(self, claim: Claim, asked: int) -> None:
+        """Claim fewer keys when keys have several events waiting, more when they have few.
+
+        Most of a cycle's database work is per key (lease, release), so a
+        backlog of a few events on each of many keys is best served a few
+        events per key, not one; a hot key already gets the whole batch.
+        """
+        batch = self.settings.batch_size
+        if not claim.keys:
+            return
+        full = sum(1 for k in claim.keys if len(k.events) >= claim.per_key_limit)
+        floor = max(1, batch // 64)
+        if full * 2 > len(claim.keys) and len(claim.keys) >= asked > floor:
+            self._keys_per_claim = max(floor, asked // 2)
+        elif claim.event_count * 4 < batch * 3 and len(claim.keys) >= asked and asked < batch:
+            self._keys_per_claim = min(batch, asked * 2)
 
     def _publish(self, claim: Claim) -> tuple[list[KeyOutcome], list[EventOutcome], int]:
         """Send the claimed events; decide every key's and event's next state."""

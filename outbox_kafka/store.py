@@ -134,12 +134,15 @@ class Store:
             finally:
                 cur.close()
 
-    def claim(self, *, batch_size: int, lease_seconds: float) -> Claim:
-        """Lease up to ``batch_size`` keys and read their next pending events."""
+    def claim(self, *, batch_size: int, lease_seconds: float, max_keys: int | None = None) -> Claim:
+        """Lease up to ``max_keys`` keys (default ``batch_size``) and read their next events.
+
+        At most ``batch_size`` events come back, shared evenly between the keys.
+        """
         token = uuid.uuid4()
         params = {
             "token": str(token),
-            "max_keys": batch_size,
+            "max_keys": max_keys or batch_size,
             "batch_size": batch_size,
             "lease_seconds": lease_seconds,
         }

@@ -117,7 +117,8 @@ WITH batch_keys AS (
     SELECT s.ordering_key
     FROM {seqs} s
     JOIN batch_keys b ON b.ordering_key = s.ordering_key
-    WHERE b.exhausted AND NOT b.park AND s.last_seq < b.next_seq
+    WHERE s.ordering_key = ANY(CAST(:key_names AS text[]))
+      AND b.exhausted AND NOT b.park AND s.last_seq < b.next_seq
     FOR UPDATE OF s SKIP LOCKED
 ), removed AS (
     DELETE FROM {keys} h
