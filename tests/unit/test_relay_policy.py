@@ -1,0 +1,64 @@
+"""The relay's pure decisions: backoff and how many keys to claim (no services)."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any, cast
+
+import pytest
+
+from outbox_kafka.relay import Relay, backoff_delay
+from outbox_kafka.settings import RelaySettings
+from outbox_kafka.store import Claim, ClaimedEvent, ClaimedKey
+
+
+def test_backoff_grows_exponentially_with_jitter_and_stays_under_the_cap() -> None:
+    rng = random.Random(7)
+    for attempt in range(1, 40):
+        ceiling = min(60.0, 0.5 * 2 ** (attempt - 1))
+        delays = [backoff_delay(attempt, 0.5, 60.0, rng) for _ in range(200)]
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(set(delays)) > 100  # jittered, not a constant
+    assert backoff_delay(10_000, 0.5, 60.0, rng) <= 60.0
+
+
+def _event(key: str, seq: int) -> ClaimedEvent:
+    return ClaimedEvent(str(uuid.uuid4()), key, seq, "t", "x", b"{}", [], 0, True, 0.0)
+
+
+def _claim(events_per_key: list[int], per_key_limit: int) -> Claim:
+    keys = [
+        ClaimedKey(f"k{i}", 1, [_event(f"k{i}", s + 1) for s in range(n)])
+        for i, n in enumerate(events_per_key)
+    ]
+    return Claim(uuid.uuid4(), keys, per_key_limit)
+
+
+@pytest.fixture
+def relay() -> Relay:
+    settings = RelaySettings(database_url="postgresql://unused/db", bootstrap_servers="unused:1")
+    return Relay(settings, store=cast(Any, object()), publisher=cast(Any, object()))
+
+
+def test_claims_fewer_keys_when_every_key_has_more_waiting(relay: Relay) -> None:
+    assert relay._keys_per_claim == 1000
+    relay._adapt_keys_per_claim(_claim([1] * 1000, per_key_limit=1), 1000)
+    assert relay._keys_per_claim == 500
+
+
+def test_claims_more_keys_again_when_keys_run_short(relay: Relay) -> None:
+    relay._keys_per_claim = 125
+    relay._adapt_keys_per_claim(_claim([3] * 125, per_key_limit=8), 125)
+    assert relay._keys_per_claim == 250
+
+
+def test_a_lone_hot_key_does_not_shrink_the_claim(relay: Relay) -> None:
+    relay._adapt_keys_per_claim(_claim([1000], per_key_limit=1000), 1000)
+    assert relay._keys_per_claim == 1000
+
+
+def test_never_below_the_floor(relay: Relay) -> None:
+    relay._keys_per_claim = 15
+    relay._adapt_keys_per_claim(_claim([66] * 15, per_key_limit=66), 15)
+    assert relay._keys_per_claim == 15
