@@ -21,7 +21,7 @@ from pathlib import Path
 from outbox_kafka.database import normalise_url, redact_url
 from outbox_kafka.embedded import start_broker, start_postgres
 
-from . import producer
+from . import producer, relay
 from .common import (
     DEFAULT_RUNS,
     QUICK_RUNS,
@@ -42,12 +42,19 @@ class Bench:
     needs_kafka: bool = False
 
 
-#: Every bench, in the order they run; add relay throughput and latency here.
+#: Every bench, in the order they run.
 BENCHES: list[Bench] = [
     Bench(
         producer.NAME,
         producer.run,
         "cost per event of enqueue / enqueue_many against plain INSERTs of the same bytes",
+    ),
+    Bench(
+        relay.NAME,
+        relay.run,
+        "relay throughput against a raw producer and a naive loop, hot-key claims, "
+        "commit-to-ack latency",
+        needs_kafka=True,
     ),
 ]
 

@@ -48,11 +48,22 @@ class CycleReport:
     """What one cycle did; ``drain()`` sums these."""
 
     keys: int = 0
+    keys_removed: int = 0
     sent: int = 0
     delivered: int = 0
     retried: int = 0
     discarded: int = 0
     leases_lost: int = 0
+
+    @property
+    def progressed(self) -> bool:
+        """Whether the cycle changed anything: sent events or cleared empty keys.
+
+        A claim can come back with only keys whose events are all done (they
+        leave the queue in that cycle) while keys with work wait behind them;
+        the next cycle should then follow at once.
+        """
+        return self.sent > 0 or self.keys_removed > 0
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
@@ -128,7 +139,7 @@ class Relay:
         try:
             while not self._stop.is_set():
                 report = self._guarded_cycle()
-                if report is None or report.sent == 0:
+                if report is None or not report.progressed:
                     self._idle_wait()
         finally:
             self._stop.set()
@@ -145,10 +156,8 @@ class Relay:
                 continue
             for name in vars(total):
                 setattr(total, name, getattr(total, name) + getattr(report, name))
-            if report.sent == 0 and report.keys == 0:
-                break
-            if report.sent == 0 and report.delivered == 0 and report.discarded == 0:
-                # Only empty or not-yet-due keys were claimed: nothing more is due.
+            if not report.progressed:
+                # Nothing was claimed, or only keys with nothing due: all due work is done.
                 break
         return total
 
@@ -195,6 +204,7 @@ class Relay:
             stop_on_shutdown=False,
         )
         self.metrics.mark_seconds.observe(time.monotonic() - mark_started)
+        report.keys_removed = result.keys_removed
         report.delivered = result.delivered
         report.retried = result.retried
         report.discarded = result.discarded

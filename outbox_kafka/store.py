@@ -82,6 +82,7 @@ class EventOutcome:
 @dataclass(frozen=True)
 class FinishResult:
     keys_owned: int
+    keys_removed: int
     delivered: int
     discarded: int
     retried: int
@@ -209,9 +210,10 @@ class Store:
         }
         with self._cursor("recording delivered events") as cur:
             cur.execute(self._q.driver_sql("finish_batch"), params)
-            keys_owned, delivered, discarded, retried, latencies = cur.fetchone()
+            keys_owned, keys_removed, delivered, discarded, retried, latencies = cur.fetchone()
         return FinishResult(
             keys_owned=keys_owned,
+            keys_removed=keys_removed,
             delivered=delivered,
             discarded=discarded,
             retried=retried,

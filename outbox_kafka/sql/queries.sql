@@ -165,12 +165,12 @@ WITH batch_keys AS (
         CAST(:event_errors AS text[])
     ) AS r(event_id, ordering_key, status, attempt, delay, kafka_partition, kafka_offset, error)
     WHERE e.event_id = r.event_id
-      AND e.event_id = ANY(CAST(:event_ids AS uuid[]))
       AND e.status = 'pending'
       AND r.ordering_key IN (SELECT ordering_key FROM owned)
     RETURNING e.event_id, e.status, EXTRACT(EPOCH FROM now() - e.created_at) AS latency
 )
 SELECT (SELECT count(*) FROM owned) AS keys_owned,
+       (SELECT count(*) FROM removed) AS keys_removed,
        (SELECT count(*) FROM marked WHERE status = 'delivered') AS delivered,
        (SELECT count(*) FROM marked WHERE status = 'discarded') AS discarded,
        (SELECT count(*) FROM marked WHERE status = 'pending') AS retried,
