@@ -257,7 +257,11 @@ class Relay:
                     wait = max(0.0, ck.events[0].wait_seconds)
                     key_outcomes.append(KeyOutcome(ck.key, ck.next_seq, wait, False, False))
                 else:
-                    key_outcomes.append(KeyOutcome(ck.key, ck.next_seq, 0.0, False, True))
+                    # Every event up to last_seq is done (none pending in the same
+                    # snapshot), so the key may leave the queue unless a writer has
+                    # added one since; the outcome statement checks that under lock.
+                    done = max(ck.next_seq, (ck.last_seq or 0) + 1)
+                    key_outcomes.append(KeyOutcome(ck.key, done, 0.0, False, True))
                 continue
             plans.append((ck, due, None))
             for event in due:

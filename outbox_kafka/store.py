@@ -45,6 +45,8 @@ class ClaimedKey:
     key: str
     next_seq: int
     events: list[ClaimedEvent] = field(default_factory=list)
+    #: For a key with no pending event: its last sequence number at claim time.
+    last_seq: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,11 +166,13 @@ class Store:
             _available_at,
             due,
             wait_seconds,
+            last_seq,
         ) in rows:
             claimed = keys.get(key)
             if claimed is None:
                 claimed = keys[key] = ClaimedKey(key, next_seq)
             if event_id is None:
+                claimed.last_seq = last_seq
                 continue
             headers = headers_from_json(stored_headers)
             claimed.events.append(

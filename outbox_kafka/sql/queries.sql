@@ -56,7 +56,8 @@ SELECT (SELECT count(*) FROM inserted) AS inserted,
 -- Claims up to :max_keys due keys (skipping keys another relay is claiming),
 -- leases them for :lease_seconds, and returns up to :batch_size of their
 -- pending events in per-key sequence order. Keys that turn out to have no
--- visible event come back with NULL event columns.
+-- visible pending event come back with NULL event columns and the key's
+-- last sequence number as of the same snapshot.
 WITH candidates AS (
     SELECT ordering_key
     FROM {keys}
@@ -85,7 +86,10 @@ SELECT c.ordering_key,
        e.attempts,
        e.available_at,
        e.available_at <= now() AS due,
-       EXTRACT(EPOCH FROM e.available_at - now()) AS wait_seconds
+       EXTRACT(EPOCH FROM e.available_at - now()) AS wait_seconds,
+       CASE WHEN e.event_id IS NULL
+            THEN (SELECT s.last_seq FROM {seqs} s WHERE s.ordering_key = c.ordering_key)
+       END AS last_seq
 FROM claimed c
 LEFT JOIN LATERAL (
     SELECT *

@@ -70,3 +70,40 @@ def test_retention_is_configurable(
         relay.close()
     with engine.connect() as conn:
         assert dict(conn.execute(STATUSES).all()) == {"delivered": 5}
+
+
+def test_drain_goes_past_keys_whose_events_are_all_done(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """Empty keys at the head of the queue leave it; the work behind them still drains."""
+    topic = new_topic(2)
+    ids = enqueue_bulk(
+        engine,
+        topic_outbox(),
+        [Event(type="t", key=f"k{i:02d}", topic=topic, data={"i": i}) for i in range(20)],
+    )
+    with engine.begin() as conn:
+        # k00..k09: done behind the relay's back, but still queued, and first in line.
+        conn.execute(
+            sa.text(
+                "UPDATE outbox SET status = 'delivered', delivered_at = now() "
+                "WHERE event_id = ANY(CAST(:ids AS uuid[]))"
+            ),
+            {"ids": ids[:10]},
+        )
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_keys SET due_at = now() - CASE WHEN ordering_key < 'k10' "
+                "THEN interval '2 minutes' ELSE interval '1 minute' END"
+            )
+        )
+    relay = Relay(make_settings(database_url, kafka_bootstrap, batch_size=10))
+    try:
+        report = relay.drain()
+    finally:
+        relay.close()
+    assert report.delivered == 10
+    assert report.keys_removed >= 10
+    with engine.connect() as conn:
+        assert dict(conn.execute(STATUSES).all()) == {"delivered": 20}
+        assert conn.execute(sa.text("SELECT count(*) FROM outbox_keys")).scalar_one() == 0
