@@ -91,6 +91,20 @@ def assert_each_key_on_its_partition(records: list[Record], partitions: int) -> 
         assert parts == {kafka_partition(key.encode(), partitions)}, key
 
 
+def wait_for_batch_in_flight(engine: sa.Engine, *, after: int) -> None:
+    """Wait until ``after`` events are delivered and the relay holds a claimed batch.
+
+    "Delivered" only grows when a batch is recorded, so waiting for the count
+    alone would fire just between two batches.
+    """
+    wait_until(
+        lambda: delivered_count(engine) >= after and claimed_count(engine) > 0,
+        60,
+        interval=0.005,
+        what=f"{after:,} delivered and a batch in flight",
+    )
+
+
 @pytest.fixture
 def proxied_broker(work_dir: Path) -> Iterator[tuple[TcpProxy, EmbeddedBroker]]:
     """A broker of its own that advertises a proxy's port, with the proxy in front."""
@@ -741,14 +755,7 @@ def test_relay_killed_with_sigkill_is_taken_over_without_loss(
         str(batch),
     )
     try:
-        # Kill with a batch in flight: "delivered" only grows when a batch is recorded, so
-        # waiting for the count alone would fire just between two batches.
-        wait_until(
-            lambda: delivered_count(engine) >= 3000 and claimed_count(engine) > 0,
-            60,
-            interval=0.005,
-            what="3,000 delivered and a batch in flight",
-        )
+        wait_for_batch_in_flight(engine, after=3000)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
     finally:
@@ -840,12 +847,7 @@ def test_sigterm_finishes_the_batch_and_exits_zero(
         command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=clean_env()
     )
     try:
-        wait_until(
-            lambda: delivered_count(engine) >= 1000 and claimed_count(engine) > 0,
-            60,
-            interval=0.005,
-            what="1,000 delivered and a batch in flight",
-        )
+        wait_for_batch_in_flight(engine, after=1000)
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         code = proc.wait(15)
