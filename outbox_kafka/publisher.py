@@ -287,18 +287,5 @@ class Publisher:
         with contextlib.suppress(KafkaException):
             old.flush(0)
 
-    def pending(self) -> int:
-        return len(self._producer)
-
-    def poll(self, timeout: float = 0.0) -> None:
-        self._producer.poll(timeout)
-
-    def ping(self, timeout: float = 5.0) -> None:
-        """Raise :class:`ConnectionError` unless a broker answers a metadata request."""
-        try:
-            self._producer.list_topics(timeout=timeout)
-        except KafkaException as exc:
-            raise ConnectionError(f"Kafka is not reachable: {exc}") from None
-
     def close(self, timeout: float = 5.0) -> None:
         self._producer.flush(timeout)

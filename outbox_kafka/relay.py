@@ -240,7 +240,7 @@ class Relay:
     def _publish(self, claim: Claim) -> tuple[list[KeyOutcome], list[EventOutcome], int]:
         """Send the claimed events; decide every key's and event's next state."""
         key_outcomes: list[KeyOutcome] = []
-        plans: list[tuple[ClaimedKey, list[ClaimedEvent], KeyOutcome | None]] = []
+        plans: list[tuple[ClaimedKey, list[ClaimedEvent]]] = []
         to_send: list[Message] = []
         sendable: list[ClaimedEvent] = []
         precheck: dict[int, tuple[str, str]] = {}
@@ -263,7 +263,7 @@ class Relay:
                     done = max(ck.next_seq, (ck.last_seq or 0) + 1)
                     key_outcomes.append(KeyOutcome(ck.key, done, 0.0, False, True))
                 continue
-            plans.append((ck, due, None))
+            plans.append((ck, due))
             for event in due:
                 problem = self._precheck(event)
                 if problem is not None:
@@ -286,7 +286,7 @@ class Relay:
 
         event_outcomes: list[EventOutcome] = []
         published: dict[str, int] = {}
-        for ck, due, _ in plans:
+        for ck, due in plans:
             outcome = self._settle_key(
                 ck,
                 due,

@@ -114,10 +114,6 @@ class Store:
         self._q = queries_for(names)
         self._listener: psycopg2.extensions.connection | None = None
 
-    @property
-    def engine(self) -> Engine:
-        return self._engine
-
     @contextlib.contextmanager
     def _cursor(self, what: str) -> Iterator[Any]:
         """A raw cursor in its own transaction, committed on success.
@@ -240,10 +236,6 @@ class Store:
                 if count < batch:
                     break
         return removed
-
-    def ping(self) -> None:
-        with _translated("checking the database"), self._engine.connect() as conn:
-            conn.execute(self._q["ping"])
 
     # LISTEN/NOTIFY: a dedicated autocommit connection, outside the pool.
 

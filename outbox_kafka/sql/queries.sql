@@ -238,9 +238,6 @@ SELECT topic, status, count(*) AS n FROM {events} GROUP BY topic, status ORDER B
 SELECT ordering_key, next_seq, parked_at FROM {keys}
 WHERE parked_at IS NOT NULL ORDER BY parked_at LIMIT :limit;
 
--- name: ping
-SELECT 1;
-
 -- name: migration_lock
 SELECT pg_advisory_xact_lock(:lock_id);
 
