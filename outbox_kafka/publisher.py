@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,7 +133,6 @@ class Publisher:
         self._metadata_timeout = metadata_timeout
         self._metadata_retry_at = 0.0
         self._metadata_error = ""
-        self._lock = threading.Lock()
         self.max_message_bytes = int(producer_config.get("message.max.bytes", 1_000_000))
         self._producer = self._new_producer()
         self._admin: AdminClient | None = None

@@ -23,7 +23,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from .envelope import check_topic
+from .envelope import check_topic, message_size
 from .errors import EventError, StorageError
 from .metrics import RelayMetrics
 from .publisher import (
@@ -115,10 +115,6 @@ class Relay:
         if not self._stop.is_set():
             self._stop_deadline = time.monotonic() + self.settings.shutdown_timeout
             self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def _past_shutdown_deadline(self) -> bool:
         return self._stop_deadline is not None and time.monotonic() > self._stop_deadline
@@ -314,11 +310,7 @@ class Relay:
             return PERMANENT, f"INVALID_ENVELOPE: {problem}"
         if event.headers is None:
             return PERMANENT, "INVALID_HEADERS: the stored headers are not [[name, value], ...]"
-        size = (
-            len(event.value)
-            + len(event.key.encode())
-            + sum(len(n) + len(v) for n, v in event.headers)
-        )
+        size = message_size(event.key.encode(), event.value, event.headers)
         if size > self.publisher.max_message_bytes:
             return (
                 PERMANENT,
