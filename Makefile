@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint format test demo bench up down clean
+.PHONY: install lint format test chaos demo bench up down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,16 +17,21 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check outbox_kafka tests bench
-	$(BIN)/ruff format --check outbox_kafka tests bench
-	$(BIN)/mypy --strict outbox_kafka
+	$(BIN)/ruff check outbox_kafka tests bench deploy
+	$(BIN)/ruff format --check outbox_kafka tests bench deploy
+	$(BIN)/mypy --strict outbox_kafka deploy/producer/orders.py
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix outbox_kafka tests bench
-	$(BIN)/ruff format outbox_kafka tests bench
+	$(BIN)/ruff check --fix outbox_kafka tests bench deploy
+	$(BIN)/ruff format outbox_kafka tests bench deploy
 
 test: lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The reliability scenarios at full size (the normal suite runs their short versions);
+# prints the table of events enqueued, delivered, lost, duplicated and out of order.
+chaos: $(STAMP)
+	OUTBOX_RELIABILITY=long $(BIN)/pytest -q tests/reliability $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/outbox-kafka demo

@@ -1,8 +1,12 @@
 """Benchmarks for outbox-kafka: ``make bench`` (``python -m bench``).
 
-Each bench module exposes ``run(ctx) -> list[Result]`` and is registered in
-``bench.__main__.BENCHES``; ``bench.common`` holds the context, the timing
-helpers, the result tables and the ``bench/results.md`` writer.
+Each section module (producer, relay = throughput, hotkey, backlog, latency)
+exposes ``run(ctx) -> list[Result]`` and is registered in
+``bench.__main__.BENCHES``. ``bench.common`` holds the context, the results
+with their targets, the tables and the ``bench/results.md`` writer;
+``bench.plots`` draws the PNGs; ``workload``, ``broker``, ``tables`` and
+``processes`` are what the relay sections share (events, topics, databases,
+relay processes).
 """
 
 from __future__ import annotations

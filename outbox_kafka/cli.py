@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
+from . import operations, reports
 from .database import make_engine
-from .errors import OutboxError
-from .logs import configure_logging
+from .errors import ConfigurationError, OutboxError
+from .logs import LOG_FORMATS, configure_logging, redact
 from .migrations import migrate, migration_script
 from .naming import TableNames
 from .settings import (
@@ -22,7 +26,16 @@ from .settings import (
     parse_kafka_pair,
 )
 
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from .http_server import ObservabilityServer
+    from .relay import Relay
+
 Handler = Callable[[argparse.Namespace], int]
+#: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_METRICS_HOST = "0.0.0.0"
 
 
 def env_name(flag: str) -> str:
@@ -140,15 +153,68 @@ def _relay_settings(args: argparse.Namespace) -> RelaySettings:
         retain_delivered_seconds=args.retain_delivered_days * 86400,
         retain_discarded_seconds=args.retain_discarded_days * 86400,
         purge_interval=args.purge_interval,
+        sample_interval=args.sample_interval,
     )
+
+
+def _metrics_port(args: argparse.Namespace) -> int | None:
+    """The port to serve /metrics, /healthz and /readyz on, or None for no server.
+
+    ``relay`` serves on 9400 by default; ``relay --drain`` only when a port is
+    given. Port 0 turns the server off.
+    """
+    port: int | None = args.metrics_port
+    if port is None:
+        port = None if args.drain else DEFAULT_METRICS_PORT
+    if port is not None and not 0 <= port <= 65535:
+        raise OutboxError(f"--metrics-port must be between 0 and 65535, got {port}")
+    return port or None
+
+
+def _start_server(relay: Relay, args: argparse.Namespace) -> ObservabilityServer | None:
+    """Serve the relay's endpoints, if wanted.
+
+    A port given explicitly must be free (else exit 2); the default port, when
+    taken (several relays on one host), is skipped with a warning.
+    """
+    from .http_server import ObservabilityServer
+
+    port = _metrics_port(args)
+    if port is None:
+        return None
+    try:
+        server = ObservabilityServer.for_relay(relay, host=args.metrics_host, port=port)
+    except ConfigurationError as exc:
+        if args.metrics_port is not None:
+            raise
+        logging.getLogger("outbox_kafka.cli").warning(
+            "metrics and health endpoints not served: the default port is taken",
+            extra={"action": "http_unavailable", "error": str(exc)},
+        )
+        return None
+    return server.start()
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
     from .relay import Relay
 
-    configure_logging(args.log_format, args.log_level)
     settings = _relay_settings(args)
+    configure_logging(args.log_format, args.log_level, secrets=settings.secret_values())
+    _metrics_port(args)  # a bad port is refused before anything starts
     relay = Relay(settings)
+    try:
+        server = _start_server(relay, args)
+    except BaseException:
+        relay.close()
+        raise
+    try:
+        return _run_relay(args, relay)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _run_relay(args: argparse.Namespace, relay: Relay) -> int:
     signals_seen = 0
 
     def on_signal(signum: int, frame: object) -> None:
@@ -175,8 +241,11 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_relay_parser(sub: Any) -> None:
-    p = sub.add_parser("relay", help="publish committed outbox events to Kafka")
+def _add_relay_parser(
+    sub: Any, name: str = "relay", help: str = "publish committed outbox events to Kafka"
+) -> argparse.ArgumentParser:
+    """The relay's parser; ``check`` is built on it so it validates the same settings."""
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
     add_database_option(p)
     add_option(
         p,
@@ -232,15 +301,336 @@ def _add_relay_parser(sub: Any) -> None:
         p, "--purge-interval", type=float, default=300.0, help="seconds between retention runs"
     )
     add_flag(p, "--drain", help="publish everything due, then exit 0")
-    add_option(p, "--log-format", default="text", choices=("text", "json"), help="log format")
+    add_option(
+        p,
+        "--sample-interval",
+        type=float,
+        default=15.0,
+        help="seconds between samples of the backlog gauges (pending, oldest age, parked keys)",
+    )
+    add_option(
+        p,
+        "--metrics-port",
+        type=int,
+        help="port for /metrics, /healthz and /readyz; 0 turns the server off "
+        f"(default: {DEFAULT_METRICS_PORT}; with --drain: off unless given)",
+    )
+    add_option(
+        p,
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help="address the metrics and health server listens on",
+    )
+    add_option(p, "--log-format", default="text", choices=LOG_FORMATS, help="log format")
     add_option(p, "--log-level", default="INFO", help="log level")
     p.set_defaults(handler=_cmd_relay)
+    return p
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args)
+
+
+# --------------------------------------------------------------------------- operator commands
+# Connection, table and limit options have OUTBOX_* variables like every
+# setting. What an action applies to (selectors, --all, --dry-run) is taken
+# from the command line only, so a leftover variable can never widen it.
+
+_STATS_HELP = (
+    "Counts by topic and status, the age of the oldest pending event, the key queue, parked "
+    "keys (with the error of the event that parked each) and the latest discards, from one "
+    "snapshot. Pending and discarded events are counted through their partial indexes; "
+    "counting delivered events scans the whole table (about a third of a second per million "
+    "rows), which --no-delivered skips."
+)
+_REQUEUE_HELP = (
+    "Make discarded events pending again. Per key they go out in sequence order, before the "
+    "key's later pending events. A parked key is unparked when the event that parked it is "
+    "requeued (a selection with other events of a parked key but not that one is refused). "
+    "An empty selection is refused; --all selects every discarded event."
+)
+_UNPARK_HELP = (
+    "Let parked keys continue with their later events, skipping the event that parked each "
+    "(it stays discarded and can still be requeued). --key selects keys; the other selectors "
+    "select the event that parked the key. An empty selection is refused; --all selects every "
+    "parked key."
+)
+_PURGE_HELP = (
+    "Delete delivered and discarded events past their retention now, in batches, as the "
+    "relay does every --purge-interval. Pending events are never deleted."
+)
+_CHECK_HELP = (
+    "Check what a relay with these settings needs: the settings themselves (the same "
+    "validation as relay; every relay flag and variable is accepted), the schemas, the "
+    "database, the migrations and the Kafka brokers. One OK/FAIL line each; exit 0 only if "
+    "all pass, 1 otherwise."
+)
+
+
+def _iso_time(value: str) -> datetime:
+    """An ISO-8601 time or date for --since/--until; without an offset it is UTC."""
+    try:
+        parsed = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an ISO-8601 time, e.g. 2026-03-01T12:00:00Z or 2026-03-01"
+        ) from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def _add_output_flags(p: argparse.ArgumentParser, *, dry_run: str | None = None) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (keys as in the README)")
+    if dry_run is not None:
+        p.add_argument("--dry-run", action="store_true", help=dry_run)
+
+
+def _add_selectors(p: argparse.ArgumentParser, everything: str) -> None:
+    g = p.add_argument_group(
+        "selection",
+        "command line only; different selectors combine with AND, "
+        "repeated ones with OR; times are ISO-8601, UTC unless they carry an offset",
+    )
+    g.add_argument("--event-id", action="append", default=[], metavar="UUID", help="repeatable")
+    g.add_argument("--key", action="append", default=[], help="ordering key, repeatable")
+    g.add_argument(
+        "--type", action="append", default=[], dest="types", metavar="TYPE", help="event type"
+    )
+    g.add_argument(
+        "--topic", action="append", default=[], dest="topics", metavar="TOPIC", help="Kafka topic"
+    )
+    g.add_argument("--since", type=_iso_time, metavar="TIME", help="created at or after TIME")
+    g.add_argument("--until", type=_iso_time, metavar="TIME", help="created before TIME")
+    g.add_argument("--all", action="store_true", dest="everything", help=everything)
+
+
+def _selection(args: argparse.Namespace) -> operations.Selection:
+    return operations.Selection(
+        event_ids=tuple(args.event_id),
+        keys=tuple(args.key),
+        types=tuple(args.types),
+        topics=tuple(args.topics),
+        since=args.since,
+        until=args.until,
+        everything=args.everything,
+    )
+
+
+def _operator_engine(args: argparse.Namespace, *, connect_timeout: float = 10.0) -> Engine:
+    """An engine for one short command; the URL's password is masked in whatever it prints."""
+    from .database import url_secrets
+    from .logs import register_secrets
+
+    url = args.database_url or ""
+    register_secrets(url_secrets(url))
+    return operations.short_command_engine(url, connect_timeout=connect_timeout)
+
+
+def _emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
+    out = json.dumps(document, indent=2, ensure_ascii=False) if args.json else text
+    print(redact(out))
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    names = names_from(args)
+    engine = _operator_engine(args)
+    try:
+        stats = operations.outbox_stats(
+            engine,
+            names,
+            parked_limit=args.parked_limit,
+            discard_limit=args.discard_limit,
+            count_delivered=not args.no_delivered,
+        )
+    finally:
+        engine.dispose()
+    _emit(args, stats.as_dict(), reports.stats_text(stats))
+    return 0
+
+
+def _cmd_requeue(args: argparse.Namespace) -> int:
+    names = names_from(args)
+    selection = _selection(args)
+    selection.require("discarded events")
+    engine = _operator_engine(args)
+    try:
+        result = operations.requeue(engine, selection, names, dry_run=args.dry_run)
+    finally:
+        engine.dispose()
+    _emit(args, result.as_dict(), reports.requeue_text(result, show=args.list_limit))
+    return 0
+
+
+def _cmd_unpark(args: argparse.Namespace) -> int:
+    names = names_from(args)
+    selection = _selection(args)
+    selection.require("parked keys")
+    engine = _operator_engine(args)
+    try:
+        result = operations.unpark(engine, selection, names, dry_run=args.dry_run)
+    finally:
+        engine.dispose()
+    _emit(args, result.as_dict(), reports.unpark_text(result))
+    return 0
+
+
+def _cmd_purge(args: argparse.Namespace) -> int:
+    names = names_from(args)
+    engine = _operator_engine(args)
+    try:
+        result = operations.purge(
+            engine,
+            names,
+            retain_delivered_seconds=args.retain_delivered_days * operations.DAY,
+            retain_discarded_seconds=args.retain_discarded_days * operations.DAY,
+            batch=args.purge_batch,
+            dry_run=args.dry_run,
+        )
+    finally:
+        engine.dispose()
+    _emit(args, result.as_dict(), reports.purge_text(result))
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .database import redact_url, url_secrets
+    from .logs import register_secrets
+
+    check = operations.CheckResult
+    results: list[operations.CheckResult] = []
+    register_secrets(url_secrets(args.database_url or ""))
+    settings: RelaySettings | None = None
+    try:
+        settings = _relay_settings(args)
+    except OutboxError as exc:
+        results.append(check("settings", False, str(exc)))
+    else:
+        register_secrets(settings.secret_values())
+        results.append(
+            check(
+                "settings",
+                True,
+                f"valid: table {settings.names.qualified_events}, lease "
+                f"{settings.lease_seconds:g} s, delivery timeout "
+                f"{settings.effective_delivery_timeout_ms} ms, on exhausted: "
+                f"{settings.on_exhausted}",
+            )
+        )
+    results.append(operations.check_schemas(args.schema_dir))
+
+    timeout: float = args.check_timeout
+    if not args.database_url:
+        missing = "no database URL given (--database-url or OUTBOX_DATABASE_URL)"
+        results.append(check("database", False, missing))
+        results.append(check("migrations", False, "not checked: no database URL"))
+    else:
+        try:
+            names = names_from(args)
+            engine = _operator_engine(args, connect_timeout=timeout)
+        except OutboxError as exc:
+            results.append(check("database", False, str(exc)))
+            results.append(check("migrations", False, "not checked: fix the settings first"))
+        else:
+            try:
+                results.extend(
+                    operations.check_database(
+                        engine, names, shown_url=redact_url(args.database_url)
+                    )
+                )
+            finally:
+                engine.dispose()
+
+    if settings is None:
+        results.append(check("kafka", False, "not checked: fix the settings first"))
+    else:
+        topics = [settings.dead_letter_topic] if settings.dead_letter_topic else []
+        results.extend(
+            operations.check_kafka(
+                settings.admin_config(),
+                timeout=timeout,
+                topics=topics,
+                create_topics=settings.create_topics is not None,
+            )
+        )
+    ok = all(r.ok for r in results)
+    document = {"ok": ok, "checks": [r.as_dict() for r in results]}
+    _emit(args, document, reports.check_text(results))
+    return 0 if ok else 1
+
+
+def _add_operator_parsers(sub: Any) -> None:
+    p = sub.add_parser("stats", help="what the outbox holds (scans to count delivered events)")
+    p.description = _STATS_HELP
+    add_database_option(p)
+    add_table_options(p)
+    add_option(p, "--parked-limit", type=int, default=10, help="parked keys to list")
+    add_option(p, "--discard-limit", type=int, default=10, help="latest discards to list")
+    add_flag(p, "--no-delivered", help="do not count delivered events (skips the table scan)")
+    _add_output_flags(p)
+    p.set_defaults(handler=_cmd_stats)
+
+    p = sub.add_parser("requeue", help="send discarded events again, in key order")
+    p.description = _REQUEUE_HELP
+    add_database_option(p)
+    add_table_options(p)
+    _add_selectors(p, "every discarded event (instead of selectors)")
+    add_option(p, "--list-limit", type=int, default=50, help="events listed in the text output")
+    _add_output_flags(p, dry_run="show what would be requeued; change nothing")
+    p.set_defaults(handler=_cmd_requeue)
+
+    p = sub.add_parser("unpark", help="let parked keys continue past the event that parked them")
+    p.description = _UNPARK_HELP
+    add_database_option(p)
+    add_table_options(p)
+    _add_selectors(p, "every parked key (instead of selectors)")
+    _add_output_flags(p, dry_run="show what would be unparked; change nothing")
+    p.set_defaults(handler=_cmd_unpark)
+
+    p = sub.add_parser("purge", help="delete delivered and discarded events past retention")
+    p.description = _PURGE_HELP
+    add_database_option(p)
+    add_table_options(p)
+    add_option(
+        p,
+        "--retain-delivered-days",
+        type=float,
+        default=operations.DEFAULT_RETAIN_DELIVERED_SECONDS / operations.DAY,
+        help="keep delivered events this long (as relay)",
+    )
+    add_option(
+        p,
+        "--retain-discarded-days",
+        type=float,
+        default=operations.DEFAULT_RETAIN_DISCARDED_SECONDS / operations.DAY,
+        help="keep discarded events this long (as relay)",
+    )
+    add_option(
+        p,
+        "--purge-batch",
+        type=int,
+        default=operations.DEFAULT_PURGE_BATCH,
+        help="events deleted per transaction",
+    )
+    _add_output_flags(p, dry_run="count what would be deleted; delete nothing")
+    p.set_defaults(handler=_cmd_purge)
+
+    p = _add_relay_parser(sub, "check", help="check settings, database, migrations and Kafka")
+    p.description = _CHECK_HELP
+    add_option(
+        p,
+        "--schema-dir",
+        help="also compile the payload schemas (<type>.json) of this directory",
+    )
+    add_option(
+        p,
+        "--check-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for the database and for Kafka metadata",
+    )
+    _add_output_flags(p)
+    p.set_defaults(handler=_cmd_check)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "--orders", type=int, default=400, help="orders to create, pay and ship")
     add_option(p, "--writers", type=int, default=4, help="concurrent order-service threads")
     p.set_defaults(handler=_cmd_demo)
+
+    _add_operator_parsers(sub)
     return parser
 
 
@@ -276,7 +668,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except OutboxError as exc:
-        print(f"outbox-kafka {args.command}: error: {exc}", file=sys.stderr)
+        print(redact(f"outbox-kafka {args.command}: error: {exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

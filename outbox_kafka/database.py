@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from .errors import ConfigurationError
@@ -21,12 +22,31 @@ def normalise_url(url: str) -> str:
     return url
 
 
+#: libpq parameters that hold secrets when given in the URL's query string.
+_SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
+
+
 def redact_url(url: str) -> str:
     """The URL with any password replaced by ``***``, safe for logs."""
     try:
-        return make_url(normalise_url(url)).render_as_string(hide_password=True)
+        parsed = make_url(normalise_url(url))
     except (ArgumentError, ConfigurationError, ValueError):
         return "<unparseable database URL>"
+    hidden = {k: "redacted" for k in parsed.query if k.lower() in _SECRET_QUERY_KEYS}
+    return parsed.update_query_dict(hidden).render_as_string(hide_password=True)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets a database URL holds (password, also percent-encoded), for log scrubbing."""
+    try:
+        parsed: URL = make_url(normalise_url(url))
+    except (ArgumentError, ConfigurationError, ValueError):
+        return []
+    values = [str(parsed.password)] if parsed.password else []
+    for key, value in parsed.query.items():
+        if key.lower() in _SECRET_QUERY_KEYS:
+            values.extend([value] if isinstance(value, str) else value)
+    return [*values, *(quote(v, safe="") for v in values if quote(v, safe="") != v)]
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

@@ -14,16 +14,18 @@ import random
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-from prometheus_client import start_http_server
 
 from .database import make_engine
-from .embedded import embedded_stack, free_port
+from .embedded import embedded_stack
+from .http_server import ObservabilityServer
 from .logs import configure_logging
 from .migrations import migrate
 from .outbox import Outbox
@@ -170,6 +172,17 @@ def _consume(bootstrap: str, expected: int, tally: _Tally, stop: threading.Event
         consumer.close()
 
 
+def _http_status(url: str) -> int:
+    """The status code the demo's relay answers ``url`` with (0: no answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -193,10 +206,8 @@ def run_demo(args: argparse.Namespace) -> int:
             database_url=pg.url, bootstrap_servers=broker.bootstrap, poll_interval=0.2
         )
         relay = Relay(settings)
-        metrics_port = free_port()
-        server, _thread = start_http_server(
-            metrics_port, "127.0.0.1", registry=relay.metrics.registry
-        )
+        server = ObservabilityServer.for_relay(relay, host="127.0.0.1", port=0).start()
+        print(f"  relay metrics and health: {server.url('/metrics')}, /healthz, /readyz")
         relay_thread = threading.Thread(target=relay.run, name="relay", daemon=True)
         relay_thread.start()
 
@@ -234,6 +245,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 print(
                     f"  {clock:5.1f} s  committed {written:5d}  consumed {received:5d}/{expected}"
                 )
+            # What a probe of the running relay sees once the work is done.
+            probes = {path: _http_status(server.url(path)) for path in ("/healthz", "/readyz")}
         except KeyboardInterrupt:
             print("interrupted: cleaning up")
             stop.set()
@@ -246,7 +259,7 @@ def run_demo(args: argparse.Namespace) -> int:
             consumer.join(timeout=5)
             relay.stop()
             relay_thread.join(timeout=15)
-            server.shutdown()
+            server.close()
             engine.dispose()
         elapsed = time.monotonic() - started
         with engine.connect() as conn:
@@ -275,6 +288,7 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     verdict = "OK" if tally.order_violations == 0 else f"{tally.order_violations} VIOLATIONS"
     print(f"  per-key order         {verdict}")
-    print(f"  metrics were served   http://127.0.0.1:{metrics_port}/metrics")
+    print(f"  metrics were served   {server.url('/metrics')} (also /healthz, /readyz)")
+    print("  health at the end     " + "  ".join(f"{p} {code}" for p, code in probes.items()))
     print(f"  result                {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -15,10 +15,10 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
 
 from .errors import (
     InvalidAttribute,
@@ -46,24 +46,44 @@ HeaderValue = str | bytes
 HeadersInput = Mapping[str, HeaderValue] | Sequence[tuple[str, HeaderValue]]
 
 
+#: Random bytes fetched per system call: enough for several hundred ids.
+_RANDOM_BLOCK = 4096
+
+
 class _UUID7:
     """UUIDv7 (RFC 9562): 48-bit millisecond time, then random bits.
 
     Ids made by one process are strictly increasing: within a millisecond the
-    12-bit ``rand_a`` field is used as a counter.
+    12-bit ``rand_a`` field is used as a counter. The random bits come from
+    ``os.urandom`` a block at a time rather than one system call per id; a
+    forked child drops the block it inherited, so parent and child never hand
+    out the same random bits.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last_ms = -1
         self._counter = 0
+        self._random = b""
+        self._offset = 0
+        _generators.add(self)
 
-    def __call__(self) -> uuid.UUID:
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._random = b""
+        self._offset = 0
+
+    def _next(self) -> int:
         with self._lock:
             ms = time.time_ns() // 1_000_000
+            random, offset = self._random, self._offset
+            if offset + 10 > len(random):
+                random = self._random = os.urandom(_RANDOM_BLOCK)
+                offset = 0
             if ms > self._last_ms:
                 self._last_ms = ms
-                self._counter = int.from_bytes(os.urandom(2), "big") & 0x7FF
+                self._counter = int.from_bytes(random[offset : offset + 2], "big") & 0x7FF
+                offset += 2
             else:
                 self._counter += 1
                 if self._counter > 0xFFF:
@@ -71,10 +91,30 @@ class _UUID7:
                     self._counter = 0
                 ms = self._last_ms
             counter = self._counter
-        tail = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
-        value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | counter << 64 | 0b10 << 62 | tail
-        return uuid.UUID(int=value)
+            tail = int.from_bytes(random[offset : offset + 8], "big") & ((1 << 62) - 1)
+            self._offset = offset + 8
+        return (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | counter << 64 | 0b10 << 62 | tail
 
+    def __call__(self) -> uuid.UUID:
+        return uuid.UUID(int=self._next())
+
+    def with_text(self) -> tuple[uuid.UUID, str]:
+        """A new id and its canonical text form (what ``str()`` gives), made together."""
+        value = self._next()
+        h = f"{value:032x}"
+        return uuid.UUID(int=value), f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_generators: weakref.WeakSet[_UUID7] = weakref.WeakSet()
+
+
+def _reset_generators_in_child() -> None:
+    for generator in list(_generators):
+        generator._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_generators_in_child)
 
 uuid7 = _UUID7()
 
@@ -168,12 +208,23 @@ def check_event_id(value: object) -> uuid.UUID:
 
 
 def check_available_at(value: object) -> datetime:
+    """Return ``value`` if it is an aware datetime that exists in UTC, else raise.
+
+    It is written to the database in UTC (PostgreSQL refuses offsets Python
+    allows: beyond ±15:59, or with seconds), so it must have a UTC form.
+    """
     if not isinstance(value, datetime):
         raise InvalidTimestamp("available_at", f"must be a datetime, not {type(value).__name__}")
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidTimestamp(
             "available_at", "is naive; pass a time-zone-aware datetime (e.g. tz=UTC)"
         )
+    try:
+        value.astimezone(UTC)
+    except (OverflowError, ValueError):
+        raise InvalidTimestamp(
+            "available_at", f"{value.isoformat()} is out of range in UTC"
+        ) from None
     return value
 
 
@@ -221,10 +272,14 @@ def check_headers(headers: object) -> list[tuple[str, bytes]]:
     return result
 
 
+#: One encoder for every payload: ``json.dumps`` with these options builds a new one per call.
+_DATA_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+
 def encode_data(data: Any) -> str:
     """Serialise the payload as strict JSON (no NaN or Infinity), or raise."""
     try:
-        return json.dumps(data, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        return _DATA_ENCODER.encode(data)
     except ValueError as exc:
         raise InvalidData("data", f"is not strict JSON: {exc}") from exc
     except (TypeError, RecursionError) as exc:
@@ -247,8 +302,7 @@ def _rfc3339_now() -> str:
     return f"{prefix}.{fraction:06d}Z"
 
 
-@dataclass(frozen=True)
-class EncodedEvent:
+class EncodedEvent(NamedTuple):
     """An event as it will be stored and sent."""
 
     event_id: uuid.UUID
@@ -258,67 +312,170 @@ class EncodedEvent:
     value: bytes
     headers: list[tuple[str, bytes]]
     available_at: datetime | None
+    #: The envelope's attributes (everything but ``data``), as encoded in ``value``.
     envelope: dict[str, Any]
+    #: ``headers`` as the outbox stores them: :func:`headers_to_json` of them.
+    stored_headers: str
 
 
-def build_envelope(
-    *,
-    event_id: uuid.UUID,
-    source: str,
-    event_type: str,
-    key: str,
-    data_json: str,
-    subject: str | None,
-    dataschema: str | None,
-    traceparent: str | None,
-) -> tuple[dict[str, Any], bytes]:
-    """The envelope as a dict (for validation) and as the bytes to send.
+_CONTENT_TYPE_HEADER = ("content-type", CONTENT_TYPE.encode())
+#: Every envelope starts so, and then comes its id.
+_ENVELOPE_HEAD = '{"specversion":' + _json_string(SPEC_VERSION) + ',"id":"'
+#: The length of an id's text form, the value of the ``ce_id`` header.
+_ID_TEXT_BYTES = 36
 
-    ``data_json`` is the already-serialised payload; it is spliced in rather
-    than serialised a second time.
+
+class EnvelopeTemplate:
+    """What the envelopes and headers of one event type from one source share.
+
+    Made once per (type, source, dataschema) and kept, so that encoding an
+    event only splices in what is its own: id, time, key, subject,
+    traceparent, payload and the producer's headers. The result is the same,
+    byte for byte, as encoding every attribute one by one. ``event_type`` and
+    ``source`` must have been checked (``check_type``, ``check_attribute``).
     """
-    envelope: dict[str, Any] = {
-        "specversion": SPEC_VERSION,
-        "id": str(event_id),
-        "source": source,
-        "type": event_type,
-        "time": _rfc3339_now(),
-        "datacontenttype": DATA_CONTENT_TYPE,
-        "partitionkey": key,
-    }
-    if subject is not None:
-        envelope["subject"] = subject
-    if dataschema is not None:
-        envelope["dataschema"] = dataschema
-    if traceparent is not None:
-        envelope["traceparent"] = traceparent
-    # Every attribute is a str, so the head is assembled directly; the payload
-    # is spliced in as already serialised.
-    head = ",".join(f"{_json_string(k)}:{_json_string(v)}" for k, v in envelope.items())
-    text = "{" + head + ',"data":' + data_json + "}"
-    try:
-        value = text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidData(
-            "data", f"contains text that is not valid Unicode ({exc.reason})"
-        ) from exc
-    return envelope, value
+
+    __slots__ = (
+        "_after_id",
+        "_after_time",
+        "_dataschema_member",
+        "_header_bytes",
+        "_headers_after_id",
+        "_stored_after_id",
+        "dataschema",
+        "event_type",
+        "source",
+    )
+
+    def __init__(self, event_type: str, source: str, dataschema: str | None) -> None:
+        event_type, source = _exact_str(event_type), _exact_str(source)
+        self.event_type = event_type
+        self.source = source
+        self.dataschema = dataschema
+        self._after_id = (
+            f'","source":{_json_string(source)},"type":{_json_string(event_type)},"time":"'
+        )
+        self._after_time = f'","datacontenttype":{_json_string(DATA_CONTENT_TYPE)},"partitionkey":'
+        self._dataschema_member = (
+            "" if dataschema is None else f',"dataschema":{_json_string(dataschema)}'
+        )
+        self._headers_after_id = [
+            ("ce_type", event_type.encode("utf-8")),
+            ("ce_source", source.encode("utf-8")),
+            ("ce_specversion", SPEC_VERSION.encode()),
+        ]
+        self._stored_after_id = '"],' + ",".join(
+            _stored_header(name, value) for name, value in self._headers_after_id
+        )
+        self._header_bytes = (
+            sum(
+                len(name.encode("utf-8")) + len(value)
+                for name, value in (_CONTENT_TYPE_HEADER, *self._headers_after_id)
+            )
+            + len("ce_id")
+            + _ID_TEXT_BYTES
+        )
+
+    def envelope(
+        self,
+        event_id: str,
+        key: str,
+        data_json: str,
+        subject: str | None = None,
+        traceparent: str | None = None,
+    ) -> tuple[dict[str, Any], bytes]:
+        """The envelope's attributes as a dict (for validation) and the bytes to send.
+
+        ``event_id`` is the id's text form; ``data_json`` is the already
+        serialised payload, spliced in rather than serialised a second time.
+        """
+        now = _rfc3339_now()
+        if type(key) is not str:
+            key = _exact_str(key)
+        envelope: dict[str, Any] = {
+            "specversion": SPEC_VERSION,
+            "id": event_id,
+            "source": self.source,
+            "type": self.event_type,
+            "time": now,
+            "datacontenttype": DATA_CONTENT_TYPE,
+            "partitionkey": key,
+        }
+        optional = ""
+        if subject is not None:
+            subject = _exact_str(subject)
+            envelope["subject"] = subject
+            optional = f',"subject":{_json_string(subject)}'
+        if self.dataschema is not None:
+            envelope["dataschema"] = self.dataschema
+            optional += self._dataschema_member
+        if traceparent is not None:
+            traceparent = _exact_str(traceparent)
+            envelope["traceparent"] = traceparent
+            optional += f',"traceparent":{_json_string(traceparent)}'
+        # The id (hex and dashes) and the time (digits and punctuation) need no escaping.
+        text = (
+            f"{_ENVELOPE_HEAD}{event_id}{self._after_id}{now}{self._after_time}"
+            f'{_json_string(key)}{optional},"data":{data_json}}}'
+        )
+        try:
+            value = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidData(
+                "data", f"contains text that is not valid Unicode ({exc.reason})"
+            ) from exc
+        return envelope, value
+
+    def headers(
+        self,
+        event_id: str,
+        traceparent: str | None = None,
+        own: list[tuple[str, bytes]] | None = None,
+    ) -> tuple[list[tuple[str, bytes]], str, int]:
+        """The message headers, their stored form and their size in bytes.
+
+        The library's headers come first (``content-type``, ``ce_id``,
+        ``ce_type``, ``ce_source``, ``ce_specversion``, ``traceparent`` when
+        given), then the producer's ``own``, as checked by ``check_headers``.
+        """
+        headers = [_CONTENT_TYPE_HEADER, ("ce_id", event_id.encode()), *self._headers_after_id]
+        stored = f'[{_STORED_CONTENT_TYPE},["ce_id","{event_id}{self._stored_after_id}'
+        size = self._header_bytes
+        if traceparent is not None:
+            headers.append(("traceparent", traceparent.encode()))
+            stored += f',["traceparent",{_json_string(traceparent)}]'
+            size += len("traceparent") + len(traceparent)
+        if own:
+            headers += own
+            stored += "," + ",".join(_stored_header(name, value) for name, value in own)
+            size += sum(len(name.encode("utf-8")) + len(value) for name, value in own)
+        return headers, stored + "]", size
 
 
-def standard_headers(
-    event_id: uuid.UUID, event_type: str, source: str, traceparent: str | None
-) -> list[tuple[str, bytes]]:
-    """The headers every message carries, in front of the producer's own."""
-    headers = [
-        ("content-type", CONTENT_TYPE.encode()),
-        ("ce_id", str(event_id).encode()),
-        ("ce_type", event_type.encode("utf-8")),
-        ("ce_source", source.encode("utf-8")),
-        ("ce_specversion", SPEC_VERSION.encode()),
-    ]
-    if traceparent is not None:
-        headers.append(("traceparent", traceparent.encode()))
-    return headers
+def _exact_str(text: str) -> str:
+    """``text`` as a plain ``str`` of the same characters, as JSON and UTF-8 encoding see it.
+
+    A subclass (a str enum, say) is copied: the schema validator takes only
+    plain strings, and ``str()`` could give its ``__str__`` instead.
+    """
+    return text if type(text) is str else str.__str__(text)
+
+
+def _stored_header(name: str, value: bytes) -> str:
+    """One header as stored: ``[name, text]``, or ``[name, {"base64": ...}]``."""
+    text: str | None = None
+    if b"\x00" not in value:
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+    if text is None:
+        encoded = base64.b64encode(value).decode("ascii")
+        return f'[{_json_string(name)},{{"base64":"{encoded}"}}]'
+    return f"[{_json_string(name)},{_json_string(text)}]"
+
+
+_STORED_CONTENT_TYPE = _stored_header(*_CONTENT_TYPE_HEADER)
 
 
 def headers_to_json(headers: list[tuple[str, bytes]]) -> str:
@@ -327,20 +484,7 @@ def headers_to_json(headers: list[tuple[str, bytes]]) -> str:
     PostgreSQL's jsonb cannot hold NUL characters, so values containing NUL
     are stored as base64 too; the bytes sent are always the bytes given.
     """
-    items: list[str] = []
-    for name, value in headers:
-        text: str | None = None
-        if b"\x00" not in value:
-            try:
-                text = value.decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
-        if text is None:
-            encoded = base64.b64encode(value).decode("ascii")
-            items.append(f'[{_json_string(name)},{{"base64":"{encoded}"}}]')
-        else:
-            items.append(f"[{_json_string(name)},{_json_string(text)}]")
-    return "[" + ",".join(items) + "]"
+    return "[" + ",".join(_stored_header(name, value) for name, value in headers) + "]"
 
 
 def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:
@@ -365,6 +509,35 @@ def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:
         else:
             return None
     return headers
+
+
+def headers_from_text(stored: str) -> list[tuple[str, bytes]] | None:
+    """The headers to send from jsonb's text form of the stored headers; None when malformed.
+
+    jsonb prints ``[["name", "value"], ...]`` with ``", "`` between items. When
+    the text holds no backslash (no escaped character) and no object (no
+    base64 value), every double quote delimits a string, so splitting on quotes
+    yields the names and values; the separators are checked, and anything else
+    goes through the JSON parser.
+    """
+    if stored == "[]":
+        return []
+    if "\\" not in stored and "{" not in stored:
+        parts = stored.split('"')
+        # [[ name , value ], [ name , value ]]  ->  4 parts per header, plus the ends.
+        count = len(parts) >> 2
+        if (
+            len(parts) == 4 * count + 1
+            and parts[0] == "[["
+            and parts[-1] == "]]"
+            and parts[2::4].count(", ") == count
+            and parts[4::4].count("], [") == count - 1
+        ):
+            return list(zip(parts[1::4], [value.encode() for value in parts[3::4]], strict=True))
+    try:
+        return headers_from_json(json.loads(stored))
+    except (ValueError, RecursionError):
+        return None
 
 
 def message_size(key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> int:

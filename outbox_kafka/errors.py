@@ -26,6 +26,10 @@ class SchemaError(ConfigurationError):
     """A JSON Schema file cannot be read or is not a valid schema."""
 
 
+class InvalidSelection(ConfigurationError):
+    """An operator command's selection is empty, malformed, or unsafe to act on."""
+
+
 class EventError(OutboxError, ValueError):
     """An event handed to `enqueue` cannot be written.
 

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .envelope import (
     EncodedEvent,
+    EnvelopeTemplate,
     HeadersInput,
-    build_envelope,
     check_attribute,
     check_available_at,
     check_event_id,
@@ -28,9 +29,6 @@ from .envelope import (
     check_traceparent,
     check_type,
     encode_data,
-    headers_to_json,
-    message_size,
-    standard_headers,
     uuid7,
 )
 from .errors import (
@@ -44,9 +42,10 @@ from .errors import (
     UnknownEventType,
     UnsafeConnection,
 )
+from .metrics import counts_enqueue_failures, producer_metrics
 from .naming import TableNames
-from .queries import Queries, pg_array, queries_for
-from .validation import EventSchemas, envelope_schema, load_event_schemas
+from .queries import Queries, pg_array, pg_int_array, pg_text_array, queries_for
+from .validation import CompiledSchema, EventSchemas, envelope_schema, load_event_schemas
 
 #: Kafka's default ``message.max.bytes`` is 1 MiB; keep 16 KiB for record overhead.
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 - 16 * 1024
@@ -94,6 +93,30 @@ class _Config:
     notify: bool = True
 
 
+class _EventKind:
+    """What every event of one type from one source shares, worked out once."""
+
+    __slots__ = ("schema", "template", "topic", "unknown")
+
+    def __init__(
+        self,
+        template: EnvelopeTemplate,
+        topic: str | None,
+        schema: CompiledSchema | None,
+        unknown: bool,
+    ) -> None:
+        self.template = template
+        #: The routed topic, checked; None when no rule matches.
+        self.topic = topic
+        self.schema = schema
+        #: A schema directory is configured, has no schema for the type, and
+        #: unknown types are not allowed.
+        self.unknown = unknown
+
+
+#: Event kinds an ``Outbox`` keeps; past that (many distinct sources) it starts over.
+_MAX_KINDS = 1024
+
 Connectable = Connection | Session
 
 
@@ -119,6 +142,7 @@ class Outbox:
         max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         notify: bool = True,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         if max_key_bytes < 1:
             raise ConfigurationError(f"max_key_bytes must be at least 1, got {max_key_bytes}")
@@ -142,6 +166,9 @@ class Outbox:
             notify=notify,
         )
         self._queries: Queries = queries_for(self._config.names)
+        self._kinds: dict[tuple[str, str | None], _EventKind] = {}
+        #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
+        self.producer_metrics = producer_metrics(registry)
 
     @property
     def names(self) -> TableNames:
@@ -176,21 +203,52 @@ class Outbox:
                 raise
             raise type(exc)(exc.field, exc.reason, index=index) from exc
 
+    def _kind(self, event_type: object, source: object) -> _EventKind:
+        """The checked, cached :class:`_EventKind` of ``event_type`` from ``source``."""
+        # Only exact str keys: a subclass could hash or compare in its own way.
+        key: tuple[str, str | None] | None = None
+        if type(event_type) is str and (source is None or type(source) is str):
+            key = (event_type, source)
+            found = self._kinds.get(key)
+            if found is not None:
+                return found
+        cfg = self._config
+        checked_type = check_type(event_type)
+        checked_source = cfg.source if source is None else check_attribute("source", source)
+        routed = self.topic_for(checked_type)
+        schema = None if cfg.schemas is None else cfg.schemas.get(checked_type)
+        kind = _EventKind(
+            EnvelopeTemplate(
+                checked_type, checked_source, None if schema is None else schema.schema_id
+            ),
+            topic=None if routed is None else check_topic(routed),
+            schema=schema,
+            unknown=cfg.schemas is not None and schema is None and not cfg.allow_unknown_types,
+        )
+        if key is not None:
+            if len(self._kinds) >= _MAX_KINDS:
+                self._kinds.clear()
+            self._kinds[key] = kind
+        return kind
+
     def _encode(self, event: Event) -> EncodedEvent:
         cfg = self._config
-        event_type = check_type(event.type)
+        kind = self._kind(event.type, event.source)
+        event_type = kind.template.event_type
         key_bytes = check_key(event.key, cfg.limits.max_key_bytes)
         if event.topic is not None:
             topic = check_topic(event.topic)
+        elif kind.topic is not None:
+            topic = kind.topic
         else:
-            routed = self.topic_for(event_type)
-            if routed is None:
-                raise MissingTopic(
-                    "topic", f"no topic given and no routing rule matches type {event_type!r}"
-                )
-            topic = check_topic(routed)
-        event_id = uuid7() if event.event_id is None else check_event_id(event.event_id)
-        source = cfg.source if event.source is None else check_attribute("source", event.source)
+            raise MissingTopic(
+                "topic", f"no topic given and no routing rule matches type {event_type!r}"
+            )
+        if event.event_id is None:
+            event_id, id_text = uuid7.with_text()
+        else:
+            event_id = check_event_id(event.event_id)
+            id_text = str(event_id)
         subject = None if event.subject is None else check_attribute("subject", event.subject)
         traceparent = None if event.traceparent is None else check_traceparent(event.traceparent)
         available_at = (
@@ -199,36 +257,27 @@ class Outbox:
         own_headers = check_headers(event.headers)
 
         data_json = encode_data(event.data)
-        schema = None
-        if cfg.schemas is not None:
-            schema = cfg.schemas.get(event_type)
-            if schema is None and not cfg.allow_unknown_types:
-                raise UnknownEventType(
-                    "type",
-                    f"no schema {event_type}.json in {cfg.schemas.directory} "
-                    "(pass allow_unknown_types=True to accept it)",
-                )
-        envelope, value = build_envelope(
-            event_id=event_id,
-            source=source,
-            event_type=event_type,
-            key=event.key,
-            data_json=data_json,
-            subject=subject,
-            dataschema=None if schema is None else schema.schema_id,
-            traceparent=traceparent,
+        if kind.unknown and cfg.schemas is not None:
+            raise UnknownEventType(
+                "type",
+                f"no schema {event_type}.json in {cfg.schemas.directory} "
+                "(pass allow_unknown_types=True to accept it)",
+            )
+        envelope, value = kind.template.envelope(
+            id_text, event.key, data_json, subject, traceparent
         )
-        if schema is not None:
-            # Validate what consumers will see: the payload after JSON encoding.
-            problem = schema.first_error(json.loads(data_json))
+        if kind.schema is not None:
+            problem = kind.schema.payload_problem(event.data, data_json)
             if problem is not None:
                 raise DataSchemaViolation("data", f"does not match {event_type}.json {problem}")
         # The attributes are plain strings, so the dict is exactly what was encoded.
-        problem = envelope_schema().first_error({**envelope, "data": None})
+        problem = envelope_schema().problem({**envelope, "data": None})
         if problem is not None:
             raise EnvelopeInvalid("envelope", problem)
-        headers = standard_headers(event_id, event_type, source, traceparent) + own_headers
-        size = message_size(key_bytes, value, headers)
+        headers, stored_headers, header_bytes = kind.template.headers(
+            id_text, traceparent, own_headers
+        )
+        size = len(key_bytes) + len(value) + header_bytes
         if size > cfg.limits.max_message_bytes:
             raise MessageTooLarge(
                 "data",
@@ -236,16 +285,18 @@ class Outbox:
                 f"{cfg.limits.max_message_bytes}",
             )
         return EncodedEvent(
-            event_id=event_id,
-            key=event.key,
-            topic=topic,
-            type=event_type,
-            value=value,
-            headers=headers,
-            available_at=available_at,
-            envelope=envelope,
+            event_id,
+            event.key,
+            topic,
+            event_type,
+            value,
+            headers,
+            available_at,
+            envelope,
+            stored_headers,
         )
 
+    @counts_enqueue_failures
     def enqueue(
         self,
         conn: Connectable,
@@ -284,8 +335,9 @@ class Outbox:
             subject=subject,
             traceparent=traceparent,
         )
-        return self.enqueue_many(conn, [event])[0]
+        return self._write(conn, [self._encode(event)], event_id is not None)[0]
 
+    @counts_enqueue_failures
     def enqueue_many(
         self, conn: Connectable, events: Iterable[Event | Mapping[str, Any]]
     ) -> list[uuid.UUID]:
@@ -299,11 +351,25 @@ class Outbox:
         ]
         if not batch:
             return []
-        encoded = [self.encode(e, index=i if len(batch) > 1 else None) for i, e in enumerate(batch)]
+        if len(batch) == 1:
+            encoded = [self._encode(batch[0])]
+        else:
+            encoded = [self.encode(e, index=i) for i, e in enumerate(batch)]
+        return self._write(conn, encoded, any(e.event_id is not None for e in batch))
+
+    def _write(
+        self, conn: Connectable, encoded: list[EncodedEvent], chosen_ids: bool
+    ) -> list[uuid.UUID]:
+        """Write ``encoded`` in one statement; ``chosen_ids``: the caller gave event ids."""
         connection = _connection_of(conn)
-        params = _enqueue_params(encoded, self._config.names.channel, self._config.notify)
-        statement = self._queries["enqueue"]
-        if any(e.event_id is not None for e in batch):
+        channel, notify = self._config.names.channel, self._config.notify
+        if len(encoded) == 1:
+            statement = self._queries["enqueue_one"]
+            params = _enqueue_one_params(encoded[0], channel, notify)
+        else:
+            statement = self._queries["enqueue"]
+            params = _enqueue_params(encoded, channel, notify)
+        if chosen_ids:
             # Caller-chosen ids may collide; a savepoint keeps a collision from
             # spoiling the caller's transaction.
             try:
@@ -377,16 +443,59 @@ def _connection_of(conn: Connectable) -> Connection:
 
 
 def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> dict[str, Any]:
+    """The ``enqueue`` statement's parameters: per event, and per distinct key."""
+    # Walking the batch backwards: how many later events of the same key each
+    # event has, how many events each key has, and each key's first event.
+    behind = [0] * len(encoded)
+    per_key: dict[str, int] = {}
+    first: dict[str, EncodedEvent] = {}
+    for index in range(len(encoded) - 1, -1, -1):
+        event = encoded[index]
+        later = per_key.get(event.key, 0)
+        behind[index] = later
+        per_key[event.key] = later + 1
+        first[event.key] = event
+    delayed = any(e.available_at is not None for e in encoded)
+    values = [e.value for e in encoded]
+    lengths = [len(v) for v in values]
+    # Keys and types hold no NUL (checked); ids and topics are ASCII: the
+    # one-pass text arrays fit them all. The envelope's "id" is the id's text.
     return {
-        "event_ids": pg_array([str(e.event_id) for e in encoded]),
-        "ordering_keys": pg_array([e.key for e in encoded]),
-        "topics": pg_array([e.topic for e in encoded]),
-        "types": pg_array([e.type for e in encoded]),
-        "event_values": pg_array([e.value for e in encoded]),
-        "available_ats": pg_array(
-            [None if e.available_at is None else e.available_at.isoformat() for e in encoded]
-        ),
-        "event_headers": pg_array([headers_to_json(e.headers) for e in encoded]),
+        "key_names": pg_text_array(list(per_key)),
+        "key_counts": pg_int_array(per_key.values()),
+        "key_available_ats": _timestamps([first[k].available_at for k in per_key])
+        if delayed
+        else None,
+        "event_ids": pg_text_array([e.envelope["id"] for e in encoded]),
+        "ordering_keys": pg_text_array([e.key for e in encoded]),
+        "behind": pg_int_array(behind),
+        "topics": pg_text_array([e.topic for e in encoded]),
+        "types": pg_text_array([e.type for e in encoded]),
+        "event_values": b"".join(values),
+        "value_starts": pg_int_array(accumulate(lengths[:-1], initial=1)),
+        "value_lengths": pg_int_array(lengths),
+        "event_headers": "[" + ",".join([e.stored_headers for e in encoded]) + "]",
+        "available_ats": _timestamps([e.available_at for e in encoded]) if delayed else None,
+        "notify": notify,
+        "channel": channel,
+    }
+
+
+def _timestamps(values: list[datetime | None]) -> str:
+    # In UTC: PostgreSQL refuses some offsets Python allows (check_available_at).
+    return pg_array([None if v is None else v.astimezone(UTC).isoformat() for v in values])
+
+
+def _enqueue_one_params(event: EncodedEvent, channel: str, notify: bool) -> dict[str, Any]:
+    """The ``enqueue_one`` statement's parameters."""
+    return {
+        "event_id": event.envelope["id"],
+        "ordering_key": event.key,
+        "topic": event.topic,
+        "type": event.type,
+        "value": event.value,
+        "headers": event.stored_headers,
+        "available_at": None if event.available_at is None else event.available_at.astimezone(UTC),
         "notify": notify,
         "channel": channel,
     }

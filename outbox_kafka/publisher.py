@@ -14,12 +14,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from .errors import ConfigurationError
+from .logs import librdkafka_logger
 from .validation import envelope_schema
 
 log = logging.getLogger("outbox_kafka.publisher")
@@ -46,8 +47,7 @@ _PERMANENT_CODES = {
 }
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """One message to send, as stored by the producer side."""
 
     topic: str
@@ -102,9 +102,11 @@ def check_envelope(value: bytes, event_id: str, key: str) -> str | None:
         envelope = json.loads(value)
     except ValueError as exc:
         return f"envelope is not JSON: {exc}"
-    problem = envelope_schema().first_error(envelope)
-    if problem is not None:
-        return f"envelope fails schemas/cloudevent.json: {problem}"
+    except RecursionError:
+        return "envelope is not JSON the relay can read: nested too deeply"
+    schema = envelope_schema()
+    if not schema.is_valid(envelope):
+        return f"envelope fails schemas/cloudevent.json: {schema.first_error(envelope)}"
     if envelope.get("id") != event_id:
         return "envelope id does not match the event id"
     if envelope.get("partitionkey") != key:
@@ -127,6 +129,8 @@ class Publisher:
         self._config = dict(producer_config)
         if stats_callback is not None:
             self._config["stats_cb"] = stats_callback  # type: ignore[assignment]
+        # librdkafka's own messages go through logging (served by poll/flush), not to stderr.
+        self._config["logger"] = librdkafka_logger()  # type: ignore[assignment]
         self._admin_config = admin_config
         self._create_partitions = create_partitions
         self._known_topics: set[str] = set()
@@ -135,6 +139,7 @@ class Publisher:
         self._metadata_error = ""
         self.max_message_bytes = int(producer_config.get("message.max.bytes", 1_000_000))
         self._producer = self._new_producer()
+        self._fatal = False
         self._admin: AdminClient | None = None
 
     def _new_producer(self) -> Producer:
@@ -217,13 +222,23 @@ class Publisher:
         """
         deliveries = [Delivery() for _ in messages]
         held: set[bytes] = set()
-        produce = self._producer.produce
+        produce: Any = self._producer.produce
+        on_delivery = self._on_delivery
         for msg, delivery in zip(messages, deliveries, strict=True):
             if msg.key in held:
                 continue
             delivery.sent = True
             try:
-                self._produce_one(produce, msg, partial(self._on_delivery, delivery))
+                try:
+                    produce(
+                        msg.topic,
+                        msg.value,
+                        msg.key,
+                        headers=msg.headers,
+                        on_delivery=partial(on_delivery, delivery),
+                    )
+                except BufferError:
+                    self._produce_one(produce, msg, partial(on_delivery, delivery))
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
                 delivery.reported = True
@@ -264,16 +279,33 @@ class Publisher:
     ) -> None:
         deadline = time.monotonic() + timeout
         slice_seconds = 0.2 if abort is not None else timeout
-        remaining = self._producer.flush(min(slice_seconds, timeout))
+        self._fatal = False
+        remaining = self._flush(min(slice_seconds, timeout))
         while remaining and time.monotonic() < deadline and not (abort is not None and abort()):
-            remaining = self._producer.flush(
-                min(slice_seconds, max(0.0, deadline - time.monotonic()))
-            )
+            remaining = self._flush(min(slice_seconds, max(0.0, deadline - time.monotonic())))
         for d in deliveries:
             if d.sent and not d.reported:
                 d.error = "NO_REPORT: no delivery report before the relay's wait ran out"
-        if any(d.fatal for d in deliveries):
+        if self._fatal or any(d.fatal for d in deliveries):
             self.rebuild()
+
+    def _flush(self, timeout: float) -> int:
+        """``flush()``; a fatal producer error ends the wait (0) instead of escaping.
+
+        confluent-kafka raises a fatal error, such as UNKNOWN_PRODUCER_ID from a
+        broker that lost the producer's state in a restart, from ``flush()`` and
+        ``poll()``. The producer is unusable then: its unreported messages stay
+        unreported (their keys wait a lease) and it is replaced.
+        """
+        try:
+            return int(self._producer.flush(timeout))
+        except KafkaException as exc:
+            self._fatal = True
+            log.error(
+                "the Kafka producer failed fatally",
+                extra={"action": "producer_fatal", "error": str(exc)},
+            )
+            return 0
 
     def rebuild(self) -> None:
         """Replace a producer that hit a fatal error (its idempotence state is gone)."""
@@ -285,5 +317,31 @@ class Publisher:
         with contextlib.suppress(KafkaException):
             old.flush(0)
 
+    def poll(self, timeout: float = 0.0) -> None:
+        """Serve pending callbacks (statistics, logs, late delivery reports)."""
+        try:
+            self._producer.poll(timeout)
+        except KafkaException as exc:
+            log.error(
+                "the Kafka producer failed fatally",
+                extra={"action": "producer_fatal", "error": str(exc)},
+            )
+            self.rebuild()
+
+    def broker_problem(self, timeout: float) -> str | None:
+        """Why no broker answers a metadata request within ``timeout`` seconds, or None.
+
+        Safe to call from another thread than the one sending.
+        """
+        try:
+            metadata = self._producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            return _describe(err) if isinstance(err, KafkaError) else str(exc)
+        if not metadata.brokers:
+            return "the cluster metadata lists no brokers"
+        return None
+
     def close(self, timeout: float = 5.0) -> None:
-        self._producer.flush(timeout)
+        with contextlib.suppress(KafkaException):
+            self._producer.flush(timeout)

@@ -13,7 +13,8 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from tenacity import (
@@ -35,7 +36,8 @@ from .publisher import (
     Publisher,
     check_envelope,
 )
-from .settings import RelaySettings
+from .sampler import BacklogSampler
+from .settings import RelaySettings, redact_kafka_config
 from .store import Claim, ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome, Store
 
 log = logging.getLogger("outbox_kafka.relay")
@@ -57,13 +59,23 @@ class CycleReport:
 
     @property
     def progressed(self) -> bool:
-        """Whether the cycle changed anything: sent events or cleared empty keys.
+        """Whether the cycle changed anything: sent or set aside events, or cleared empty keys.
 
         A claim can come back with only keys whose events are all done (they
         leave the queue in that cycle) while keys with work wait behind them;
         the next cycle should then follow at once.
         """
-        return self.sent > 0 or self.keys_removed > 0
+        return self.sent > 0 or self.keys_removed > 0 or self.discarded > 0
+
+
+@dataclass
+class _Batch:
+    """A claimed batch after sending: what to record for it."""
+
+    claim: Claim
+    report: CycleReport
+    key_outcomes: list[KeyOutcome] = field(default_factory=list)
+    event_outcomes: list[EventOutcome] = field(default_factory=list)
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
@@ -106,7 +118,17 @@ class Relay:
         self._valid_topics: set[str] = set()
         self._keys_per_claim = settings.batch_size
         self.last_cycle_at: float | None = None
+        self.metrics.watch_last_cycle(lambda: self.last_cycle_at)
         self._send_timeout = settings.effective_delivery_timeout_ms / 1000 + 5.0
+        # One batch's outcome is recorded here while the next batch is claimed
+        # and sent: the database and Kafka work overlap, and a key is never in
+        # two batches at once because its lease holds until its record is done.
+        self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-record")
+        self._recording: Future[CycleReport] | None = None
+        # Likewise the next claim is read while a batch is being sent. Its keys
+        # are leased like any claim's; a claim that is never sent is released.
+        self._claimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-claim")
+        self._claiming: Future[tuple[Claim, int]] | None = None
 
     # Control -----------------------------------------------------------------
 
@@ -128,18 +150,22 @@ class Relay:
                 "relay_id": self.settings.relay_id,
                 "database": self.store.url_for_logs,
                 "table": self.settings.names.qualified_events,
+                "kafka": redact_kafka_config(self.settings.producer_config()),
             },
         )
         purger = threading.Thread(target=self._purge_loop, name="outbox-purge", daemon=True)
         purger.start()
+        sampler = BacklogSampler(self.settings, self.metrics).start()
         try:
             while not self._stop.is_set():
-                report = self._guarded_cycle()
-                if report is None or not report.progressed:
+                _, progressed = self._guarded_cycle()
+                if not progressed:
                     self._idle_wait()
         finally:
-            self._stop.set()
+            # Also after an error: the shutdown deadline bounds the last records.
+            self.stop()
             purger.join(timeout=5)
+            sampler.stop()
             self.close()
             log.info("relay stopped", extra={"action": "stop", "relay_id": self.settings.relay_id})
 
@@ -147,32 +173,97 @@ class Relay:
         """Publish everything due now, then return what was done (the relay stays open)."""
         total = CycleReport()
         while not self._stop.is_set():
-            report = self._guarded_cycle()
-            if report is None:
-                continue
-            for name in vars(total):
-                setattr(total, name, getattr(total, name) + getattr(report, name))
-            if not report.progressed:
+            report, progressed = self._guarded_cycle()
+            _add(total, report)
+            if not progressed:
                 # Nothing was claimed, or only keys with nothing due: all due work is done.
                 break
+        self._release_prefetched()
+        _add(total, self._await_recording())
         return total
 
     def close(self) -> None:
+        self._release_prefetched()
+        self._await_recording()
+        self._claimer.shutdown(wait=True)
+        self._recorder.shutdown(wait=True)
         self.publisher.close(timeout=min(5.0, self.settings.shutdown_timeout))
         self.store.close()
 
     # The cycle ---------------------------------------------------------------
 
-    def _guarded_cycle(self) -> CycleReport | None:
+    def _guarded_cycle(self) -> tuple[CycleReport, bool]:
+        """One pipelined cycle: (what finished recording meanwhile, whether anything moved).
+
+        While this cycle's batch is sent, the next claim is read and the
+        previous batch is recorded, each on its own connection. A key is never
+        in two batches at once: its lease holds from its claim until its record.
+        """
+        done = CycleReport()
         try:
-            return self.cycle()
+            claim, asked = self._next_claim()
         except StorageError as exc:
-            # cycle() already retried; only a stop request gets us here.
+            # The claim already retried; only a stop request gets us here.
             log.warning("database unavailable", extra={"action": "db_error", "error": str(exc)})
-            return None
+            _add(done, self._await_recording())
+            return done, False
+        if not self._stop.is_set() and any(k.events and k.events[0].due for k in claim.keys):
+            self._claiming = self._claimer.submit(self._claim)
+        batch = self._publish_claim(claim, asked)
+        previous = self._await_recording()
+        _add(done, previous)
+        if batch.report.sent:
+            self._recording = self._recorder.submit(self._record, batch)
+            return done, True
+        report = self._record(batch)
+        _add(done, report)
+        # Keys just released by the previous record may have more work: go again.
+        return done, report.progressed or previous.progressed
+
+    def _next_claim(self) -> tuple[Claim, int]:
+        """The claim read ahead during the last cycle, or a new one."""
+        claiming, self._claiming = self._claiming, None
+        if claiming is not None:
+            return claiming.result()
+        return self._claim()
+
+    def _release_prefetched(self) -> None:
+        """Give back the keys of a claim read ahead that will not be sent."""
+        claiming, self._claiming = self._claiming, None
+        if claiming is None:
+            return
+        try:
+            claim, _ = claiming.result()
+        except StorageError:
+            return  # nothing was leased
+        release = [KeyOutcome(k.key, k.next_seq, 0.0, False, False) for k in claim.keys]
+        self._record(_Batch(claim, CycleReport(keys=len(claim.keys)), release))
+
+    def _await_recording(self) -> CycleReport:
+        """Wait for the outstanding background record, if any, and return its report."""
+        recording, self._recording = self._recording, None
+        if recording is None:
+            return CycleReport()
+        try:
+            return recording.result()
+        except StorageError as exc:
+            # Recording retries until the shutdown deadline; past it, the keys
+            # stay leased and another relay sends their events again later.
+            log.warning(
+                "could not record a batch before shutdown; its keys wait for their lease",
+                extra={"action": "db_error", "error": str(exc)},
+            )
+            return CycleReport()
 
     def cycle(self) -> CycleReport:
-        """One claim -> publish -> record round."""
+        """One claim -> publish -> record round, recorded before it returns."""
+        report = self._await_recording()
+        claim, asked = self._next_claim()
+        _add(report, self._record(self._publish_claim(claim, asked)))
+        return report
+
+    def _claim(self) -> tuple[Claim, int]:
+        """Lease due keys and read their next events: (claim, keys asked for)."""
         started = time.monotonic()
         keys_wanted = self._keys_per_claim
         claim = self._with_db_retry(
@@ -184,19 +275,28 @@ class Relay:
             stop_on_shutdown=True,
         )
         self.metrics.claim_seconds.observe(time.monotonic() - started)
-        self._adapt_keys_per_claim(claim, keys_wanted)
-        report = CycleReport(keys=len(claim.keys))
-        if not claim.keys:
+        return claim, keys_wanted
+
+    def _publish_claim(self, claim: Claim, asked: int) -> _Batch:
+        """Send a claimed batch; its outcome is decided but not yet recorded."""
+        self._adapt_keys_per_claim(claim, asked)
+        batch = _Batch(claim, CycleReport(keys=len(claim.keys)))
+        if claim.keys:
+            publish_started = time.monotonic()
+            batch.key_outcomes, batch.event_outcomes, batch.report.sent = self._publish(claim)
+            self.metrics.publish_seconds.observe(time.monotonic() - publish_started)
+        return batch
+
+    def _record(self, batch: _Batch) -> CycleReport:
+        """Record a sent batch's outcome (one fenced statement) and count it."""
+        report = batch.report
+        if not batch.claim.keys:
             self.last_cycle_at = time.monotonic()
             return report
-
-        publish_started = time.monotonic()
-        key_outcomes, event_outcomes, report.sent = self._publish(claim)
-        self.metrics.publish_seconds.observe(time.monotonic() - publish_started)
-
+        key_outcomes = batch.key_outcomes
         mark_started = time.monotonic()
         result = self._with_db_retry(
-            lambda: self.store.finish(claim.token, key_outcomes, event_outcomes),
+            lambda: self.store.finish(batch.claim.token, key_outcomes, batch.event_outcomes),
             stop_on_shutdown=False,
         )
         self.metrics.mark_seconds.observe(time.monotonic() - mark_started)
@@ -260,8 +360,9 @@ class Relay:
                     key_outcomes.append(KeyOutcome(ck.key, done, 0.0, False, True))
                 continue
             plans.append((ck, due))
+            key = ck.key.encode()
             for event in due:
-                problem = self._precheck(event)
+                problem = self._precheck(event, key)
                 if problem is not None:
                     # Nothing later of this key goes out in this batch: whatever
                     # becomes of this event (retry, park, discard), it is settled
@@ -269,9 +370,7 @@ class Relay:
                     precheck[id(event)] = problem
                     break
                 sendable.append(event)
-                to_send.append(
-                    Message(event.topic, event.key.encode(), event.value, event.headers or [])
-                )
+                to_send.append(Message(event.topic, key, event.value, event.headers or []))
 
         deliveries_by_event: dict[int, Delivery] = {}
         if to_send:
@@ -297,7 +396,7 @@ class Relay:
             self.metrics.published.labels(topic=topic).inc(count)
         return key_outcomes, event_outcomes, len(to_send)
 
-    def _precheck(self, event: ClaimedEvent) -> tuple[str, str] | None:
+    def _precheck(self, event: ClaimedEvent, key: bytes) -> tuple[str, str] | None:
         """Problems found before handing the message over: (verdict, reason)."""
         if event.topic not in self._valid_topics:
             try:
@@ -310,7 +409,7 @@ class Relay:
             return PERMANENT, f"INVALID_ENVELOPE: {problem}"
         if event.headers is None:
             return PERMANENT, "INVALID_HEADERS: the stored headers are not [[name, value], ...]"
-        size = message_size(event.key.encode(), event.value, event.headers)
+        size = message_size(key, event.value, event.headers)
         if size > self.publisher.max_message_bytes:
             return (
                 PERMANENT,
@@ -458,6 +557,7 @@ class Relay:
     # Waiting, retrying, housekeeping -------------------------------------------
 
     def _idle_wait(self) -> None:
+        self.publisher.poll()  # statistics and librdkafka logs, also while idle
         timeout = self.settings.poll_interval
         if not self.settings.listen:
             self._stop.wait(timeout)
@@ -527,6 +627,11 @@ class Relay:
         if removed:
             self.metrics.purged.inc(removed)
             log.info("purged old events", extra={"action": "purge", "events": removed})
+
+
+def _add(total: CycleReport, report: CycleReport) -> None:
+    for name in vars(total):
+        setattr(total, name, getattr(total, name) + getattr(report, name))
 
 
 def _fields(

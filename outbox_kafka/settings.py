@@ -39,11 +39,11 @@ OnExhausted = Literal["continue", "park"]
 class RelaySettings:
     """Everything the relay needs; see ``outbox-kafka relay --help`` for each field."""
 
-    database_url: str
+    database_url: str = field(repr=False)  # may hold a password
     bootstrap_servers: str
     table: str = "outbox"
     db_schema: str = "public"
-    kafka_config: Mapping[str, str] = field(default_factory=dict)
+    kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
     batch_size: int = 1000
     poll_interval: float = 0.5
     lease_seconds: float = 30.0
@@ -61,6 +61,7 @@ class RelaySettings:
     retain_discarded_seconds: float = 90 * 86400.0
     purge_interval: float = 300.0
     purge_batch: int = 1000
+    sample_interval: float = 15.0
     relay_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}")
 
     def __post_init__(self) -> None:
@@ -79,6 +80,7 @@ class RelaySettings:
         _positive("shutdown_timeout", self.shutdown_timeout)
         _positive("purge_batch", self.purge_batch)
         _positive("purge_interval", self.purge_interval)
+        _positive("sample_interval", self.sample_interval)
         if self.backoff_cap < self.backoff_base:
             raise ConfigurationError(
                 f"backoff_cap ({self.backoff_cap} s) is below backoff_base ({self.backoff_base} s)"
@@ -103,6 +105,7 @@ class RelaySettings:
                 raise ConfigurationError(
                     f"Kafka setting {key}={value} is not allowed: use acks=all"
                 )
+        check_kafka_security(self.kafka_config)
         timeout = self.effective_delivery_timeout_ms
         limit = self.lease_seconds * 1000 * 0.8
         if timeout > limit:
@@ -146,6 +149,8 @@ class RelaySettings:
             "linger.ms": "5",
             "allow.auto.create.topics": "false",
             "queue.buffering.max.messages": str(max(100_000, self.batch_size * 4)),
+            # Feeds the outbox_kafka_* gauges through the producer's stats_cb.
+            "statistics.interval.ms": "15000",
         }
         config.update({k: str(v) for k, v in self.kafka_config.items()})
         for key in _TIMEOUT_KEYS:
@@ -163,9 +168,18 @@ class RelaySettings:
             "queue.buffering.max.messages",
             "delivery.timeout.ms",
             "allow.auto.create.topics",
+            "statistics.interval.ms",
             *FORCED_KAFKA,
         }
         return {k: v for k, v in self.producer_config().items() if k not in producer_only}
+
+    def secret_values(self) -> list[str]:
+        """The secret strings in these settings, for log scrubbing."""
+        from .database import url_secrets
+
+        found = url_secrets(self.database_url)
+        found.extend(str(v) for k, v in self.kafka_config.items() if is_secret_kafka_key(k) and v)
+        return found
 
     def digest(self) -> str:
         """A short fingerprint of the settings, secrets excluded, for the info metric."""
@@ -175,10 +189,109 @@ class RelaySettings:
             if f.name not in {"database_url", "kafka_config", "relay_id"}
         }
         public["kafka_config"] = {
-            k: v for k, v in sorted(self.kafka_config.items()) if k not in SECRET_KAFKA_KEYS
+            k: v for k, v in sorted(self.kafka_config.items()) if not is_secret_kafka_key(k)
         }
         blob = json.dumps(public, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def is_secret_kafka_key(key: str) -> bool:
+    """Whether a librdkafka setting holds a secret (also misspelt ones that look like it)."""
+    lowered = key.lower()
+    return lowered in SECRET_KAFKA_KEYS or any(
+        word in lowered for word in ("password", "secret", "token", "key.pem", "credential")
+    )
+
+
+def redact_kafka_config(config: Mapping[str, object]) -> dict[str, object]:
+    """``config`` with every secret value replaced by ``***`` (callbacks left out), for logs."""
+    return {
+        k: "***" if is_secret_kafka_key(k) else v
+        for k, v in config.items()
+        if isinstance(v, (str, int, float, bool))
+    }
+
+
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("GSSAPI", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+#: TLS settings naming a file (or, for the CA, a directory) that must exist at start-up.
+_TLS_FILES = (
+    "ssl.ca.location",
+    "ssl.certificate.location",
+    "ssl.key.location",
+    "ssl.keystore.location",
+    "ssl.crl.location",
+)
+#: A client certificate and its private key come together, in either form.
+_TLS_PAIRS = (
+    ("ssl.certificate.location", "ssl.key.location"),
+    ("ssl.certificate.pem", "ssl.key.pem"),
+)
+
+
+def check_kafka_security(config: Mapping[str, str]) -> None:
+    """Refuse TLS and SASL settings that cannot work together, naming the setting.
+
+    librdkafka takes every setting as given; this catches at start-up what it
+    would otherwise report as a connection failure at the first send, or
+    silently ignore (TLS files under a plaintext protocol). Secret values are
+    never part of the message.
+    """
+    protocol_value = str(config.get("security.protocol", "PLAINTEXT"))
+    protocol = protocol_value.upper()
+    if protocol not in SECURITY_PROTOCOLS:
+        raise ConfigurationError(
+            f"Kafka setting security.protocol={protocol_value} is not one of "
+            f"{', '.join(SECURITY_PROTOCOLS)}"
+        )
+    uses_sasl = protocol.startswith("SASL_")
+    uses_tls = protocol in ("SSL", "SASL_SSL")
+    mechanism_key = "sasl.mechanism" if "sasl.mechanism" in config else "sasl.mechanisms"
+    # Settings that choose how to authenticate or what to trust are refused where the
+    # protocol ignores them; a leftover password on its own changes nothing and passes.
+    sasl_keys = sorted(k for k in config if k.startswith("sasl.") and not is_secret_kafka_key(k))
+    if sasl_keys and not uses_sasl:
+        raise ConfigurationError(
+            f"Kafka setting {sasl_keys[0]} is set but security.protocol is {protocol}: "
+            "SASL needs security.protocol=SASL_SSL (or SASL_PLAINTEXT)"
+        )
+    if uses_sasl:
+        mechanism = str(config.get(mechanism_key, "GSSAPI")).upper()
+        if mechanism not in SASL_MECHANISMS:
+            raise ConfigurationError(
+                f"Kafka setting {mechanism_key}={config.get(mechanism_key)} is not one of "
+                f"{', '.join(SASL_MECHANISMS)}"
+            )
+        if mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            missing = [k for k in ("sasl.username", "sasl.password") if not config.get(k)]
+            if missing:
+                raise ConfigurationError(
+                    f"security.protocol={protocol} with {mechanism_key}={mechanism} needs "
+                    f"{' and '.join(missing)} (Kafka setting {missing[0]} is missing or empty)"
+                )
+    tls_keys = sorted(
+        k
+        for k in config
+        if (k.startswith("ssl.") or k == "enable.ssl.certificate.verification")
+        and not is_secret_kafka_key(k)
+    )
+    if tls_keys and not uses_tls:
+        raise ConfigurationError(
+            f"Kafka setting {tls_keys[0]} is set but security.protocol is {protocol}, which "
+            "does not use TLS: use security.protocol=SSL (or SASL_SSL)"
+        )
+    for one, other in _TLS_PAIRS:
+        if bool(config.get(one)) != bool(config.get(other)):
+            given, absent = (one, other) if config.get(one) else (other, one)
+            raise ConfigurationError(
+                f"Kafka setting {given} is set without {absent}: a client certificate "
+                "needs its private key and the key its certificate"
+            )
+    for key in _TLS_FILES:
+        location = config.get(key)
+        probe = key == "ssl.ca.location" and location == "probe"  # the system's CA store
+        if location and not probe and not Path(location).exists():
+            raise ConfigurationError(f"Kafka setting {key}: {location} does not exist")
 
 
 def _positive(name: str, value: float) -> None:
@@ -219,6 +332,9 @@ def kafka_config_from_file(path: str | Path) -> dict[str, str]:
         try:
             key, value = parse_kafka_pair(stripped)
         except ConfigurationError:
-            raise ConfigurationError(f"{path}:{number}: expected key=value, got {line!r}") from None
+            # The line itself is not shown: it may hold a secret in another syntax.
+            raise ConfigurationError(
+                f"{path}:{number}: expected key=value (the line has no '=')"
+            ) from None
         config[key] = value
     return config

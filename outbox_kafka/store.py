@@ -12,7 +12,7 @@ import select
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg2
 import psycopg2.extensions
@@ -20,14 +20,13 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .database import make_engine, redact_url
-from .envelope import headers_from_json
+from .envelope import headers_from_text
 from .errors import StorageError
 from .naming import TableNames
 from .queries import pg_array, queries_for
 
 
-@dataclass(frozen=True)
-class ClaimedEvent:
+class ClaimedEvent(NamedTuple):
     event_id: str
     key: str
     seq: int
@@ -60,8 +59,7 @@ class Claim:
         return sum(len(k.events) for k in self.keys)
 
 
-@dataclass(frozen=True)
-class KeyOutcome:
+class KeyOutcome(NamedTuple):
     key: str
     next_seq: int
     delay: float
@@ -69,8 +67,7 @@ class KeyOutcome:
     exhausted: bool
 
 
-@dataclass(frozen=True)
-class EventOutcome:
+class EventOutcome(NamedTuple):
     event_id: str
     key: str
     status: str  # delivered / pending / discarded
@@ -82,6 +79,15 @@ class EventOutcome:
 
 
 @dataclass(frozen=True)
+class Backlog:
+    """One sample of the outbox's backlog."""
+
+    pending: int
+    oldest_age_seconds: float | None
+    parked_keys: int
+
+
+@dataclass(frozen=True)
 class FinishResult:
     keys_owned: int
     keys_removed: int
@@ -89,6 +95,11 @@ class FinishResult:
     discarded: int
     retried: int
     latencies: list[float]
+
+
+def _int_array(values: Sequence[int | None]) -> str:
+    """A PostgreSQL array literal of integers (the relay's hot path; no quoting needed)."""
+    return "{" + ",".join(["NULL" if v is None else str(v) for v in values]) + "}"
 
 
 @contextlib.contextmanager
@@ -110,7 +121,8 @@ class Store:
         self.names = names
         self.url_for_logs = redact_url(database_url)
         self._database_url = database_url
-        self._engine = engine or make_engine(database_url, pool_size=2, max_overflow=2)
+        # Claims, records and retention each run on their own connection at once.
+        self._engine = engine or make_engine(database_url, pool_size=3, max_overflow=2)
         self._q = queries_for(names)
         self._listener: psycopg2.extensions.connection | None = None
 
@@ -149,6 +161,7 @@ class Store:
             cur.execute(self._q.driver_sql("claim"), params)
             rows = cur.fetchall()
         keys: dict[str, ClaimedKey] = {}
+        claimed: ClaimedKey | None = None
         for (
             key,
             next_seq,
@@ -159,30 +172,27 @@ class Store:
             value,
             stored_headers,
             attempts,
-            _available_at,
-            due,
             wait_seconds,
             last_seq,
         ) in rows:
-            claimed = keys.get(key)
-            if claimed is None:
+            # Rows come ordered by key: a key's rows are consecutive.
+            if claimed is None or claimed.key != key:
                 claimed = keys[key] = ClaimedKey(key, next_seq)
             if event_id is None:
                 claimed.last_seq = last_seq
                 continue
-            headers = headers_from_json(stored_headers)
             claimed.events.append(
                 ClaimedEvent(
-                    event_id=event_id,
-                    key=key,
-                    seq=seq,
-                    topic=topic,
-                    type=event_type,
-                    value=bytes(value),
-                    headers=headers,
-                    attempts=attempts,
-                    due=bool(due),
-                    wait_seconds=float(wait_seconds or 0.0),
+                    event_id,
+                    key,
+                    seq,
+                    topic,
+                    event_type,
+                    bytes(value),
+                    headers_from_text(stored_headers),
+                    attempts,
+                    wait_seconds is None,
+                    wait_seconds or 0.0,
                 )
             )
         per_key = max(1, batch_size // max(1, len(keys)))
@@ -192,21 +202,26 @@ class Store:
         self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]
     ) -> FinishResult:
         """Record a batch's outcome, fenced by ``token``, in one statement."""
+        delivered = [e for e in events if e.status == "delivered"]
+        others = [e for e in events if e.status != "delivered"]
         params: dict[str, Any] = {
             "token": str(token),
             "key_names": pg_array([k.key for k in keys]),
-            "key_next_seqs": pg_array([k.next_seq for k in keys]),
+            "key_next_seqs": _int_array([k.next_seq for k in keys]),
             "key_delays": pg_array([k.delay for k in keys]),
             "key_parks": pg_array([k.park for k in keys]),
             "key_exhausted": pg_array([k.exhausted for k in keys]),
-            "event_ids": pg_array([e.event_id for e in events]),
-            "event_keys": pg_array([e.key for e in events]),
-            "event_statuses": pg_array([e.status for e in events]),
-            "event_attempts": pg_array([e.attempt for e in events]),
-            "event_delays": pg_array([e.delay for e in events]),
-            "event_partitions": pg_array([e.partition for e in events]),
-            "event_offsets": pg_array([e.offset for e in events]),
-            "event_errors": pg_array([e.error for e in events]),
+            # Event ids are canonical UUID text: no quoting needed.
+            "delivered_ids": "{" + ",".join([e.event_id for e in delivered]) + "}",
+            "delivered_partitions": _int_array([e.partition for e in delivered]),
+            "delivered_offsets": _int_array([e.offset for e in delivered]),
+            "event_ids": pg_array([e.event_id for e in others]),
+            "event_statuses": pg_array([e.status for e in others]),
+            "event_attempts": pg_array([e.attempt for e in others]),
+            "event_delays": pg_array([e.delay for e in others]),
+            "event_partitions": pg_array([e.partition for e in others]),
+            "event_offsets": pg_array([e.offset for e in others]),
+            "event_errors": pg_array([e.error for e in others]),
         }
         with self._cursor("recording delivered events") as cur:
             cur.execute(self._q.driver_sql("finish_batch"), params)
@@ -236,6 +251,48 @@ class Store:
                 if count < batch:
                     break
         return removed
+
+    # Monitoring: cheap statements for the backlog sampler and readiness probes.
+
+    @classmethod
+    def for_monitoring(
+        cls, database_url: str, names: TableNames, *, connect_timeout: float = 2.0
+    ) -> Store:
+        """A store of its own (one pooled connection, short connect timeout) for probes."""
+        engine = make_engine(
+            database_url,
+            pool_size=1,
+            max_overflow=1,
+            connect_args={"connect_timeout": max(1, round(connect_timeout))},
+        )
+        return cls(database_url, names, engine=engine)
+
+    def ping(self, timeout: float) -> None:
+        """Run ``SELECT 1`` within ``timeout`` seconds; raise StorageError otherwise."""
+        with _translated("checking the database"), self._engine.begin() as conn:
+            conn.execute(self._q["statement_timeout"], {"milliseconds": _millis(timeout)})
+            conn.execute(self._q["ping"])
+
+    def backlog(self, timeout: float) -> Backlog:
+        """Pending events, the oldest one's age and parked keys, in one snapshot.
+
+        Reads the key queue and the partial index on pending events' creation
+        time, never the event rows, so a sample stays cheap at any backlog.
+        """
+        with _translated("sampling the backlog"), self._engine.connect() as conn:
+            snapshot = conn.execution_options(
+                isolation_level="REPEATABLE READ", postgresql_readonly=True
+            )
+            with snapshot.begin():
+                snapshot.execute(self._q["statement_timeout"], {"milliseconds": _millis(timeout)})
+                pending = snapshot.execute(self._q["pending_events_estimate"]).scalar_one()
+                age = snapshot.execute(self._q["oldest_pending_age"]).scalar_one()
+                parked = snapshot.execute(self._q["parked_key_count"]).scalar_one()
+        return Backlog(
+            pending=int(pending),
+            oldest_age_seconds=None if age is None else max(0.0, float(age)),
+            parked_keys=int(parked),
+        )
 
     # LISTEN/NOTIFY: a dedicated autocommit connection, outside the pool.
 
@@ -284,3 +341,7 @@ class Store:
     def close(self) -> None:
         self._drop_listener()
         self._engine.dispose()
+
+
+def _millis(seconds: float) -> str:
+    return str(max(1, round(seconds * 1000)))

@@ -59,6 +59,62 @@ class CompiledSchema:
             return describe(error)
         return None
 
+    def problem(self, instance: Any) -> str | None:
+        """What is wrong with ``instance`` (as :meth:`first_error`), cheaply when nothing is."""
+        if self._validator.is_valid(instance):
+            return None
+        return self.first_error(instance)
+
+    def payload_problem(self, data: Any, data_json: str) -> str | None:
+        """What is wrong with a payload as consumers will see it: ``data_json`` decoded.
+
+        A payload built of JSON's own Python types (dict with str keys, list,
+        str, int, float, bool, None; no subclasses) decodes to an equal value,
+        so it is validated as it is, without decoding. Anything else (tuples,
+        non-str keys, subclasses the validator does not map as JSON does) is
+        validated in its decoded form, and so is every payload found invalid,
+        so that the decision and the message always concern what is sent.
+        """
+        if _is_plain_json(data) and self._validator.is_valid(data):
+            return None
+        return self.problem(json.loads(data_json))
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+#: Values looked at before a payload counts as too big to check in Python.
+_PLAIN_JSON_BUDGET = 256
+
+
+def _is_plain_json(data: Any) -> bool:
+    """Whether ``data`` is built only of JSON's own Python types, in a small budget.
+
+    A large payload answers False: decoding it in C costs less than walking it here.
+    """
+    if type(data) in _SCALARS:
+        return True
+    stack = [data]
+    budget = _PLAIN_JSON_BUDGET
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is dict:
+            budget -= len(node)
+            if budget < 0:
+                return False
+            for key, value in node.items():
+                if type(key) is not str:
+                    return False
+                if type(value) not in _SCALARS:
+                    stack.append(value)
+        elif kind is list:
+            budget -= len(node)
+            if budget < 0:
+                return False
+            stack.extend(item for item in node if type(item) not in _SCALARS)
+        elif kind not in _SCALARS:
+            return False
+    return True
+
 
 @cache
 def envelope_schema() -> CompiledSchema:

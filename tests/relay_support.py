@@ -7,6 +7,7 @@ Kafka's Java implementation, and the proxy is a socket pump.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import select
@@ -239,7 +240,12 @@ def kafka_partition(key: bytes, partitions: int) -> int:
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:``port`` to ``target``; :meth:`cut` drops everything until restored."""
+    """Forwards 127.0.0.1:``port`` to ``target``; :meth:`cut` drops everything until restored.
+
+    :meth:`set_delay` holds every byte coming back from the target for that many
+    seconds before passing it on (requests still go through at once): a slow
+    broker, as its clients see it.
+    """
 
     def __init__(self, target_port: int, *, port: int = 0, host: str = "127.0.0.1") -> None:
         self.target = (host, target_port)
@@ -254,6 +260,7 @@ class TcpProxy:
         self._cut = threading.Event()
         self._closed = threading.Event()
         self.connections = 0
+        self.delay = 0.0
         self._thread = threading.Thread(target=self._accept_loop, name="proxy-accept", daemon=True)
 
     def start(self) -> TcpProxy:
@@ -278,6 +285,10 @@ class TcpProxy:
 
     def restore(self) -> None:
         self._cut.clear()
+
+    def set_delay(self, seconds: float) -> None:
+        """Delay what the target sends back by ``seconds`` (0: no delay), from now on."""
+        self.delay = seconds
 
     def close(self) -> None:
         self._closed.set()
@@ -315,15 +326,23 @@ class TcpProxy:
             ).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        """Copy bytes both ways; what ``b`` (the target) sends waits out :attr:`delay`."""
         peers = {a: b, b: a}
+        held: collections.deque[tuple[float, bytes]] = collections.deque()
         try:
             while not self._cut.is_set():
-                ready, _, _ = select.select([a, b], [], [], 0.2)
+                wait = 0.2 if not held else max(0.0, min(0.2, held[0][0] - time.monotonic()))
+                ready, _, _ = select.select([a, b], [], [], wait)
                 for sock in ready:
                     data = sock.recv(65536)
                     if not data:
                         return
-                    peers[sock].sendall(data)
+                    if sock is b and (self.delay > 0 or held):
+                        held.append((time.monotonic() + self.delay, data))
+                    else:
+                        peers[sock].sendall(data)
+                while held and held[0][0] <= time.monotonic():
+                    a.sendall(held.popleft()[1])
         except (OSError, ValueError):
             return
         finally:
@@ -351,15 +370,17 @@ class RelayThread:
         self.error: BaseException | None = None
         self.cycles = 0
         self.reports: list[CycleReport] = []
-        original: Callable[[], CycleReport] = relay.cycle
+        original: Callable[[Any], CycleReport] = relay._record
 
-        def counting_cycle() -> CycleReport:
-            report = original()
+        def counting_record(batch: Any) -> CycleReport:
+            # Every claimed batch's outcome is recorded here, in the loop or in the
+            # background, exactly once.
+            report = original(batch)
             self.cycles += 1
             self.reports.append(report)
             return report
 
-        relay.cycle = counting_cycle  # type: ignore[method-assign]
+        relay._record = counting_record  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _run(self) -> None:

@@ -869,6 +869,37 @@ def test_sigterm_finishes_the_batch_and_exits_zero(
     assert per_key_order(records) == ids_by_key(events, ids)
 
 
+def test_drain_and_stop_give_back_the_claim_read_ahead(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """The next claim is read while a batch is in flight; stopping must not strand its keys."""
+    topic = new_topic(2)
+    keys = [f"k{i}" for i in range(40)]
+    first = seq_events(topic, keys, 2_000)
+    ids = enqueue_bulk(engine, topic_outbox(), first)
+    settings = make_settings(database_url, kafka_bootstrap, batch_size=100)
+    relay = Relay(settings)
+    try:
+        assert relay.drain().delivered == 2_000
+        assert claimed_count(engine) == 0
+    finally:
+        relay.close()
+
+    second = seq_events(topic, keys, 20_000)
+    ids += enqueue_bulk(engine, topic_outbox(), second)
+    relay = Relay(settings)
+    with running_relay(relay) as thread:
+        wait_until(lambda: delivered_count(engine) >= 3_000, timeout=60)
+        thread.stop()
+    assert claimed_count(engine) == 0
+    assert delivered_count(engine) < 22_000, "the relay finished before it was stopped"
+
+    drain(settings)
+    records = consume_all(kafka_bootstrap, topic, 22_000)
+    assert {r.ce_id for r in records} == set(ids)
+    assert per_key_order(records) == ids_by_key(first + second, ids)
+
+
 # --------------------------------------------------------------------------- 10. topics, fencing
 
 

@@ -1,0 +1,147 @@
+"""Liveness and readiness of a relay: is the loop turning, are PostgreSQL and Kafka reachable.
+
+Liveness: the loop completed a cycle within the last ``max_cycle_age``
+seconds (an idle relay completes one every poll interval; a cycle stuck on
+an unreachable database does not complete). Readiness: ``SELECT 1`` answers
+and a broker returns cluster metadata, each within ``timeout``; the result is
+kept for ``cache_seconds`` so frequent probes cost one check.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import StorageError
+from .logs import redact
+from .store import Store
+
+if TYPE_CHECKING:
+    from .relay import Relay
+    from .settings import RelaySettings
+
+OK = "ok"
+
+
+@dataclass(frozen=True)
+class HealthStatus:
+    """The answer to one probe; ``details`` maps each part checked to ``"ok"`` or a reason."""
+
+    ok: bool
+    details: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def reason(self) -> str:
+        """Why it is not ok (empty when ok)."""
+        return "; ".join(
+            f"{name}: {value}"
+            for name, value in self.details.items()
+            if isinstance(value, str) and value != OK
+        )
+
+    def body(self) -> dict[str, object]:
+        body: dict[str, object] = {"status": "ok" if self.ok else "unavailable"}
+        if not self.ok:
+            body["reason"] = self.reason
+        body.update(self.details)
+        return body
+
+
+def default_max_cycle_age(settings: RelaySettings) -> float:
+    """How long without a completed cycle means the loop is stuck.
+
+    A cycle sends for at most the delivery timeout (≤ 80% of the lease), and
+    an idle relay completes one at least every poll interval.
+    """
+    return max(2.0 * settings.lease_seconds, 3.0 * settings.poll_interval, 10.0)
+
+
+class HealthChecks:
+    """The checks behind ``/healthz`` and ``/readyz``; every dependency is injectable."""
+
+    def __init__(
+        self,
+        *,
+        last_cycle_at: Callable[[], float | None],
+        max_cycle_age: float,
+        database_problem: Callable[[float], str | None],
+        kafka_problem: Callable[[float], str | None],
+        timeout: float = 2.0,
+        cache_seconds: float = 1.5,
+        clock: Callable[[], float] = time.monotonic,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self._last_cycle_at = last_cycle_at
+        self.max_cycle_age = max_cycle_age
+        self._database_problem = database_problem
+        self._kafka_problem = kafka_problem
+        self.timeout = timeout
+        self.cache_seconds = cache_seconds
+        self._clock = clock
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._cached: tuple[float, HealthStatus] | None = None
+
+    @classmethod
+    def for_relay(cls, relay: Relay, *, max_cycle_age: float | None = None) -> HealthChecks:
+        """Checks for ``relay``: its loop, a database connection of their own, its producer."""
+        settings = relay.settings
+        store = Store.for_monitoring(settings.database_url, settings.names)
+
+        def database_problem(timeout: float) -> str | None:
+            try:
+                store.ping(timeout)
+            except StorageError as exc:
+                return str(exc)
+            return None
+
+        return cls(
+            last_cycle_at=lambda: relay.last_cycle_at,
+            max_cycle_age=default_max_cycle_age(settings)
+            if max_cycle_age is None
+            else max_cycle_age,
+            database_problem=database_problem,
+            kafka_problem=relay.publisher.broker_problem,
+            on_close=store.close,
+        )
+
+    def liveness(self) -> HealthStatus:
+        """Ok when the loop completed a cycle within ``max_cycle_age`` seconds."""
+        at = self._last_cycle_at()
+        if at is None:
+            return HealthStatus(False, {"loop": "no cycle completed yet"})
+        age = max(0.0, self._clock() - at)
+        details: dict[str, object] = {"last_cycle_seconds_ago": round(age, 3)}
+        if age > self.max_cycle_age:
+            details["loop"] = (
+                f"no cycle completed for {age:.1f} s (limit {self.max_cycle_age:.0f} s)"
+            )
+            return HealthStatus(False, details)
+        return HealthStatus(True, {"loop": OK, **details})
+
+    def readiness(self) -> HealthStatus:
+        """Ok when the database and a Kafka broker answer; cached for ``cache_seconds``."""
+        with self._lock:
+            now = self._clock()
+            if self._cached is not None and now - self._cached[0] < self.cache_seconds:
+                return self._cached[1]
+            status = self._check_dependencies()
+            self._cached = (self._clock(), status)
+            return status
+
+    def _check_dependencies(self) -> HealthStatus:
+        details: dict[str, object] = {}
+        for name, check in (("database", self._database_problem), ("kafka", self._kafka_problem)):
+            try:
+                problem = check(self.timeout)
+            except Exception as exc:  # a probe must answer, whatever the client raised
+                problem = f"{type(exc).__name__}: {exc}"
+            details[name] = OK if problem is None else redact(problem)
+        return HealthStatus(all(v == OK for v in details.values()), details)
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()

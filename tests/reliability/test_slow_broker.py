@@ -1,0 +1,127 @@
+"""A broker that answers later than the lease: leases are lost, counted, and fenced.
+
+Two relays share the outbox behind a proxy that holds every response from
+the broker for longer than the lease (requests still arrive at once). A batch
+then outlives its lease; the other relay, or the same relay's next claim,
+takes the keys over and sends the events again. The late outcome must not
+be recorded (the finish is fenced by the claim token), the loss must show in
+``outbox_leases_lost_total``, and per-key order must hold in Kafka.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from outbox_kafka.metrics import RelayMetrics
+from outbox_kafka.relay import Relay
+from tests.relay_support import (
+    RelayThread,
+    TcpProxy,
+    delivered_count,
+    make_settings,
+    outbox_summary,
+    wait_until,
+)
+from tests.reliability.harness import (
+    Collector,
+    RecoveryClock,
+    Writer,
+    audit,
+    check_writer,
+    create_topic,
+    wait_all_delivered,
+)
+from tests.reliability.report import seconds, size
+from tests.reliability.servers import RestartableBroker
+
+LEASE = 3.0
+
+
+def test_responses_slower_than_the_lease_lose_leases_but_nothing_else(
+    engine: sa.Engine, database_url: str, tmp_path: Path
+) -> None:
+    slow_for = seconds(10, 45)
+    delay = LEASE + 2
+    total = size(3_000, 30_000)
+    rate = size(300, 700)
+    keys = [f"key-{i:03d}" for i in range(size(40, 200))]
+    topic = f"slow-{uuid.uuid4().hex[:10]}"
+
+    proxy = TcpProxy(target_port=1)
+    broker = RestartableBroker(tmp_path / "broker", advertised_port=proxy.port)
+    proxy.set_target(broker.port)
+    proxy.start()
+    bootstrap = f"127.0.0.1:{proxy.port}"
+    create_topic(bootstrap, topic, 4)
+    relays = [
+        RelayThread(
+            Relay(
+                make_settings(
+                    database_url,
+                    bootstrap,
+                    lease_seconds=LEASE,
+                    delivery_timeout_ms=int(LEASE * 800),
+                    batch_size=200,
+                    relay_id=f"slow-{n}",
+                ),
+                metrics=RelayMetrics(),
+            ),
+            name=f"relay-{n}",
+        )
+        for n in range(2)
+    ]
+    collector = Collector(bootstrap, topic)
+    clock = RecoveryClock(engine)
+    writer = Writer(engine, topic, keys, total, rate=rate)
+
+    def leases_lost() -> float:
+        return sum(
+            r.relay.metrics.registry.get_sample_value("outbox_leases_lost_total") or 0.0
+            for r in relays
+        )
+
+    try:
+        for r in relays:
+            r.start()
+        writer.start()
+        # Warm up: every relay has looked up the topic before the broker turns slow.
+        wait_until(lambda: all(r.total("delivered") > 0 for r in relays), 60)
+        proxy.set_delay(delay)
+        slow_from = time.monotonic()
+        while time.monotonic() - slow_from < slow_for:
+            collector.read(0.5)
+        proxy.set_delay(0)
+        clock.fault_ended()
+        writer.join(600)
+        wait_all_delivered(engine, size(120, 600), lambda: outbox_summary(engine))
+        recover = clock.worst()
+        collector.catch_up(set(writer.committed), 120)
+        for r in relays:
+            assert r.is_alive() and r.error is None, r.error
+    finally:
+        writer.stop()
+        for r in relays:
+            if r.is_alive():
+                r.stop(60)
+        collector.close()
+        proxy.close()
+        broker.close()
+    check_writer(engine, writer)
+    lost_leases = leases_lost()
+    assert lost_leases > 0, "no batch outlived its lease: the delay did not bite"
+    assert lost_leases == sum(r.total("leases_lost") for r in relays)
+    assert delivered_count(engine) == total
+
+    result = audit(engine, collector.generations)
+    # wrong_marks empty: no late, fenced outcome overwrote where Kafka put an event.
+    result.assert_clean()
+    result.row(
+        "slow broker",
+        recover,
+        f"responses held {delay:.0f} s (lease {LEASE:.0f} s) for {slow_for:.0f} s; "
+        f"{lost_leases:.0f} leases lost (outbox_leases_lost_total), fenced",
+    )
