@@ -22,7 +22,9 @@ from sqlalchemy.engine import make_url
 
 from outbox_kafka import Outbox, migrate
 from outbox_kafka.database import make_engine, normalise_url
-from outbox_kafka.embedded import start_broker, start_postgres
+from outbox_kafka.embedded import EmbeddedBroker, start_broker, start_postgres
+
+from .relay_support import TcpProxy
 
 REPO = Path(__file__).resolve().parent.parent
 EVENT_SCHEMAS = REPO / "schemas" / "events"
@@ -159,3 +161,19 @@ def empty_database(server_url: str) -> Iterator[Callable[[], str]]:
         for name in created:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     admin.dispose()
+
+
+@pytest.fixture
+def proxied_broker(work_dir: Path) -> Iterator[tuple[TcpProxy, EmbeddedBroker]]:
+    """A broker of its own that advertises a proxy's port, with the proxy in front."""
+    proxy = TcpProxy(target_port=1)
+    log_dir = work_dir / f"proxied-{uuid.uuid4().hex[:8]}"
+    log_dir.mkdir()
+    broker = start_broker(log_dir, advertised_port=proxy.port)
+    proxy.set_target(broker.port)
+    proxy.start()
+    try:
+        yield proxy, broker
+    finally:
+        proxy.close()
+        broker.stop()

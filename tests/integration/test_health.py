@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from outbox_kafka.embedded import EmbeddedBroker, start_broker
+from outbox_kafka.embedded import EmbeddedBroker
 from outbox_kafka.health import HealthChecks
 from outbox_kafka.http_server import ObservabilityServer
 from outbox_kafka.metrics import RelayMetrics
@@ -67,22 +65,6 @@ def serve() -> Iterator[Callable[[Relay, float], ObservabilityServer]]:
     yield start
     for server in servers:
         server.close()
-
-
-@pytest.fixture
-def proxied_broker(work_dir: Path) -> Iterator[tuple[TcpProxy, EmbeddedBroker]]:
-    """A broker of its own that advertises a proxy's port, with the proxy in front."""
-    proxy = TcpProxy(target_port=1)
-    log_dir = work_dir / f"health-{uuid.uuid4().hex[:8]}"
-    log_dir.mkdir()
-    broker = start_broker(log_dir, advertised_port=proxy.port)
-    proxy.set_target(broker.port)
-    proxy.start()
-    try:
-        yield proxy, broker
-    finally:
-        proxy.close()
-        broker.stop()
 
 
 def test_database_outage_makes_the_relay_unready_and_then_unhealthy(

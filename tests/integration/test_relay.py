@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox_kafka import Event
-from outbox_kafka.embedded import EmbeddedBroker, start_broker
+from outbox_kafka.embedded import EmbeddedBroker
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
 from outbox_kafka.queries import queries_for
@@ -103,22 +103,6 @@ def wait_for_batch_in_flight(engine: sa.Engine, *, after: int) -> None:
         interval=0.005,
         what=f"{after:,} delivered and a batch in flight",
     )
-
-
-@pytest.fixture
-def proxied_broker(work_dir: Path) -> Iterator[tuple[TcpProxy, EmbeddedBroker]]:
-    """A broker of its own that advertises a proxy's port, with the proxy in front."""
-    proxy = TcpProxy(target_port=1)
-    log_dir = work_dir / f"proxied-{uuid.uuid4().hex[:8]}"
-    log_dir.mkdir()
-    broker = start_broker(log_dir, advertised_port=proxy.port)
-    proxy.set_target(broker.port)
-    proxy.start()
-    try:
-        yield proxy, broker
-    finally:
-        proxy.close()
-        broker.stop()
 
 
 def create_topic(bootstrap: str, partitions: int) -> str:
