@@ -858,7 +858,8 @@ def test_drain_and_stop_give_back_the_claim_read_ahead(
 ) -> None:
     """The next claim is read while a batch is in flight; stopping must not strand its keys."""
     topic = new_topic(2)
-    keys = [f"k{i}" for i in range(40)]
+    # More keys than one claim takes, so the claim read ahead has keys of its own.
+    keys = [f"k{i}" for i in range(500)]
     first = seq_events(topic, keys, 2_000)
     ids = enqueue_bulk(engine, topic_outbox(), first)
     settings = make_settings(database_url, kafka_bootstrap, batch_size=100)
@@ -872,9 +873,20 @@ def test_drain_and_stop_give_back_the_claim_read_ahead(
     second = seq_events(topic, keys, 20_000)
     ids += enqueue_bulk(engine, topic_outbox(), second)
     relay = Relay(settings)
+    send = relay.publisher.send
+    sends = 0
+
+    def send_then_stop(*args: Any, **kwargs: Any) -> Any:
+        # Stop while a batch is being sent: the next claim is being read ahead then.
+        nonlocal sends
+        sends += 1
+        if sends == 20:
+            relay.stop()
+        return send(*args, **kwargs)
+
+    relay.publisher.send = send_then_stop  # type: ignore[method-assign]
     with running_relay(relay) as thread:
-        wait_until(lambda: delivered_count(engine) >= 3_000, timeout=60)
-        thread.stop()
+        wait_until(lambda: not thread.is_alive(), timeout=60)
     assert claimed_count(engine) == 0
     assert delivered_count(engine) < 22_000, "the relay finished before it was stopped"
 
