@@ -78,6 +78,19 @@ class _Batch:
     event_outcomes: list[EventOutcome] = field(default_factory=list)
 
 
+def _worth_reading_ahead(claim: Claim, asked: int, batch_size: int) -> bool:
+    """Whether to read the next claim while this one is sent.
+
+    Only when the relay is behind: the claim filled half the batch or ran
+    out of keys to ask for. A claim read ahead is taken before the events
+    committed during the send, so when the relay keeps up, reading ahead
+    would make every event wait one cycle more.
+    """
+    if not any(k.events and k.events[0].due for k in claim.keys):
+        return False
+    return claim.event_count * 2 >= batch_size or len(claim.keys) >= asked
+
+
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
     """Exponential backoff with jitter: uniform in [d/2, d], d = min(cap, base * 2**(attempt-1))."""
     ceiling: float = min(cap, base * 2.0 ** max(0, min(attempt - 1, 62)))
@@ -207,7 +220,7 @@ class Relay:
             log.warning("database unavailable", extra={"action": "db_error", "error": str(exc)})
             _add(done, self._await_recording())
             return done, False
-        if not self._stop.is_set() and any(k.events and k.events[0].due for k in claim.keys):
+        if not self._stop.is_set() and _worth_reading_ahead(claim, asked, self.settings.batch_size):
             self._claiming = self._claimer.submit(self._claim)
         batch = self._publish_claim(claim, asked)
         previous = self._await_recording()
@@ -328,8 +341,10 @@ class Relay:
             return
         full = sum(1 for k in claim.keys if len(k.events) >= claim.per_key_limit)
         floor = max(1, batch // 64)
-        if full * 2 > len(claim.keys) and len(claim.keys) >= asked > floor:
-            self._keys_per_claim = max(floor, asked // 2)
+        if full * 2 > len(claim.keys) > floor:
+            # Also when fewer keys were due than asked for: what counts is that
+            # most keys had more waiting than their share of the batch.
+            self._keys_per_claim = max(floor, len(claim.keys) // 2)
         elif claim.event_count * 4 < batch * 3 and len(claim.keys) >= asked and asked < batch:
             self._keys_per_claim = min(batch, asked * 2)
 

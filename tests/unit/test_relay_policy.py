@@ -47,6 +47,16 @@ def test_claims_fewer_keys_when_every_key_has_more_waiting(relay: Relay) -> None
     assert relay._keys_per_claim == 500
 
 
+def test_claims_fewer_keys_when_fewer_keys_than_asked_each_have_more_waiting(
+    relay: Relay,
+) -> None:
+    # 300 keys with a deep backlog each: 3 events per key per claim is mostly key overhead.
+    relay._adapt_keys_per_claim(_claim([3] * 300, per_key_limit=3), 1000)
+    assert relay._keys_per_claim == 150
+    relay._adapt_keys_per_claim(_claim([6] * 150, per_key_limit=6), 150)
+    assert relay._keys_per_claim == 75
+
+
 def test_claims_more_keys_again_when_keys_run_short(relay: Relay) -> None:
     relay._keys_per_claim = 125
     relay._adapt_keys_per_claim(_claim([3] * 125, per_key_limit=8), 125)
