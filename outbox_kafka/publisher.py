@@ -96,8 +96,8 @@ def _describe(err: KafkaError) -> str:
     return f"{err.name()}: {err.str()}"
 
 
-def check_envelope(value: bytes, event_id: str, key: str) -> str | None:
-    """Why ``value`` is not a sendable envelope for this event, or None."""
+def check_envelope(value: bytes | str, event_id: str, key: str) -> str | None:
+    """Why ``value`` (the bytes, or their ASCII text) is not a sendable envelope, or None."""
     try:
         envelope = json.loads(value)
     except ValueError as exc:

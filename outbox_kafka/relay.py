@@ -419,7 +419,8 @@ class Relay:
             except EventError as exc:
                 return PERMANENT, f"INVALID_TOPIC: {exc.reason}"
             self._valid_topics.add(event.topic)
-        problem = check_envelope(event.value, event.event_id, event.key)
+        text = event.text
+        problem = check_envelope(event.value if text is None else text, event.event_id, event.key)
         if problem is not None:
             return PERMANENT, f"INVALID_ENVELOPE: {problem}"
         if event.headers is None:

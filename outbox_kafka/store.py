@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import select
 import uuid
+from codecs import escape_decode
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -37,6 +38,8 @@ class ClaimedEvent(NamedTuple):
     attempts: int
     due: bool
     wait_seconds: float
+    #: ``value`` as text when it is ASCII (the common case), for the envelope check.
+    text: str | None = None
 
 
 @dataclass
@@ -181,6 +184,15 @@ class Store:
             if event_id is None:
                 claimed.last_seq = last_seq
                 continue
+            # bytea's escape format is ASCII: it doubles a backslash and writes a zero
+            # byte or one with the high bit set as a backslash and three octal digits.
+            # With no backslash in it, the text is the value.
+            text: str | None = value
+            if "\\" in value:
+                text = None
+                data = escape_decode(value)[0]
+            else:
+                data = value.encode()
             claimed.events.append(
                 ClaimedEvent(
                     event_id,
@@ -188,11 +200,12 @@ class Store:
                     seq,
                     topic,
                     event_type,
-                    bytes(value),
+                    data,
                     headers_from_text(stored_headers),
                     attempts,
                     wait_seconds is None,
                     wait_seconds or 0.0,
+                    text,
                 )
             )
         per_key = max(1, batch_size // max(1, len(keys)))
