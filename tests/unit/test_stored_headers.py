@@ -66,3 +66,37 @@ def test_any_json_reads_as_the_json_reading_does(value: object) -> None:
 )
 def test_text_that_only_looks_like_headers_is_not_taken_for_them(stored: str) -> None:
     assert headers_from_text(stored) == reference(stored)
+
+
+LIBRARY_HEADERS = [
+    ("content-type", b"application/cloudevents+json"),
+    ("ce_id", b"00000000-0000-0000-0000-000000000000"),
+    ("ce_type", b"order.paid"),
+    ("ce_source", b"/orders"),
+    ("ce_specversion", b"1.0"),
+]
+
+
+@given(
+    st.lists(st.uuids().map(str), min_size=2, max_size=5),
+    st.lists(st.tuples(st.text(max_size=20), header_values), max_size=3),
+)
+def test_headers_after_the_id_read_once_are_the_same_for_every_id(
+    ids: list[str], own: list[tuple[str, bytes]]
+) -> None:
+    """The library's headers, then a producer's own: what follows the id is read once and kept."""
+    for event_id in ids:
+        headers = [LIBRARY_HEADERS[0], ("ce_id", event_id.encode()), *LIBRARY_HEADERS[2:], *own]
+        stored = jsonb_text(json.loads(headers_to_json(headers)))
+        assert headers_from_text(stored) == headers == reference(stored)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ['"], ["ce_type", "x"]]', '"]]', '"], ["a", {"base64": "!!"}]]', '"], ["a"]]', '"', ""],
+)
+def test_a_kept_tail_gives_what_reading_in_full_gives(tail: str) -> None:
+    head = '[["content-type", "application/cloudevents+json"], ["ce_id", "'
+    for event_id in ("first", "second", "third"):
+        stored = head + event_id + tail
+        assert headers_from_text(stored) == reference(stored), stored
