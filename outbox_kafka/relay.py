@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from tenacity import (
     RetryCallState,
@@ -70,6 +70,15 @@ class CycleReport:
         the next cycle should then follow at once.
         """
         return self.sent > 0 or self.keys_removed > 0 or self.discarded > 0
+
+
+class _Claimed(NamedTuple):
+    """A claim, how many keys it asked for, and what its events' own checks found."""
+
+    claim: Claim
+    asked: int
+    #: By ``id(event)``: (verdict, reason) of the first event of a key that fails a check.
+    problems: dict[int, tuple[str, str]]
 
 
 @dataclass
@@ -149,7 +158,7 @@ class Relay:
         # Likewise the next claim is read while a batch is being sent. Its keys
         # are leased like any claim's; a claim that is never sent is released.
         self._claimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-claim")
-        self._claiming: Future[tuple[Claim, int]] | None = None
+        self._claiming: Future[_Claimed] | None = None
 
     # Control -----------------------------------------------------------------
 
@@ -223,15 +232,16 @@ class Relay:
         """
         done = CycleReport()
         try:
-            claim, asked = self._next_claim()
+            claimed = self._next_claim()
         except StorageError as exc:
             # The claim already retried; only a stop request gets us here.
             log.warning("database unavailable", extra={"action": "db_error", "error": str(exc)})
             _add(done, self._await_recording())
             return done, False
+        claim, asked, _ = claimed
         if not self._stop.is_set() and _worth_reading_ahead(claim, asked, self.settings.batch_size):
             self._claiming = self._claimer.submit(self._claim)
-        batch = self._publish_claim(claim, asked)
+        batch = self._publish_claim(claimed)
         if batch.report.sent:
             if len(self._recordings) >= RECORDS_IN_FLIGHT:
                 _add(done, self._await_oldest_recording())
@@ -244,7 +254,7 @@ class Relay:
         # Keys just released by the previous record may have more work: go again.
         return done, report.progressed or previous.progressed
 
-    def _next_claim(self) -> tuple[Claim, int]:
+    def _next_claim(self) -> _Claimed:
         """The claim read ahead during the last cycle, or a new one."""
         claiming, self._claiming = self._claiming, None
         if claiming is not None:
@@ -257,7 +267,7 @@ class Relay:
         if claiming is None:
             return
         try:
-            claim, _ = claiming.result()
+            claim = claiming.result().claim
         except StorageError:
             return  # nothing was leased
         release = [KeyOutcome(k.key, k.next_seq, 0.0, False, False) for k in claim.keys]
@@ -287,12 +297,15 @@ class Relay:
     def cycle(self) -> CycleReport:
         """One claim -> publish -> record round, recorded before it returns."""
         report = self._await_recording()
-        claim, asked = self._next_claim()
-        _add(report, self._record(self._publish_claim(claim, asked)))
+        _add(report, self._record(self._publish_claim(self._next_claim())))
         return report
 
-    def _claim(self) -> tuple[Claim, int]:
-        """Lease due keys and read their next events: (claim, keys asked for)."""
+    def _claim(self) -> _Claimed:
+        """Lease due keys, read their next events and check them.
+
+        The checks need no broker, so a claim read ahead is checked while the
+        batch before it waits for its acknowledgements.
+        """
         started = time.monotonic()
         keys_wanted = self._keys_per_claim
         claim = self._with_db_retry(
@@ -304,15 +317,32 @@ class Relay:
             stop_on_shutdown=True,
         )
         self.metrics.claim_seconds.observe(time.monotonic() - started)
-        return claim, keys_wanted
+        return _Claimed(claim, keys_wanted, self._check_claim(claim))
 
-    def _publish_claim(self, claim: Claim, asked: int) -> _Batch:
+    def _check_claim(self, claim: Claim) -> dict[int, tuple[str, str]]:
+        """The first due event of each key that fails its own checks, with (verdict, reason)."""
+        problems: dict[int, tuple[str, str]] = {}
+        for ck in claim.keys:
+            key = ck.key.encode()
+            for event in ck.events:
+                if not event.due:
+                    break
+                problem = self._check_event(event, key)
+                if problem is not None:
+                    problems[id(event)] = problem
+                    break
+        return problems
+
+    def _publish_claim(self, claimed: _Claimed) -> _Batch:
         """Send a claimed batch; its outcome is decided but not yet recorded."""
-        self._adapt_keys_per_claim(claim, asked)
+        claim = claimed.claim
+        self._adapt_keys_per_claim(claim, claimed.asked)
         batch = _Batch(claim, CycleReport(keys=len(claim.keys)))
         if claim.keys:
             publish_started = time.monotonic()
-            batch.key_outcomes, batch.event_outcomes, batch.report.sent = self._publish(claim)
+            batch.key_outcomes, batch.event_outcomes, batch.report.sent = self._publish(
+                claim, claimed.problems
+            )
             self.metrics.publish_seconds.observe(time.monotonic() - publish_started)
         return batch
 
@@ -364,7 +394,9 @@ class Relay:
         elif claim.event_count * 4 < batch * 3 and len(claim.keys) >= asked and asked < batch:
             self._keys_per_claim = min(batch, asked * 2)
 
-    def _publish(self, claim: Claim) -> tuple[list[KeyOutcome], list[EventOutcome], int]:
+    def _publish(
+        self, claim: Claim, problems: dict[int, tuple[str, str]]
+    ) -> tuple[list[KeyOutcome], list[EventOutcome], int]:
         """Send the claimed events; decide every key's and event's next state."""
         key_outcomes: list[KeyOutcome] = []
         plans: list[tuple[ClaimedKey, list[ClaimedEvent]]] = []
@@ -393,7 +425,7 @@ class Relay:
             plans.append((ck, due))
             key = ck.key.encode()
             for event in due:
-                problem = self._precheck(event, key)
+                problem = problems.get(id(event)) or self.publisher.topic_problem(event.topic)
                 if problem is not None:
                     # Nothing later of this key goes out in this batch: whatever
                     # becomes of this event (retry, park, discard), it is settled
@@ -427,8 +459,8 @@ class Relay:
             self.metrics.published.labels(topic=topic).inc(count)
         return key_outcomes, event_outcomes, len(to_send)
 
-    def _precheck(self, event: ClaimedEvent, key: bytes) -> tuple[str, str] | None:
-        """Problems found before handing the message over: (verdict, reason)."""
+    def _check_event(self, event: ClaimedEvent, key: bytes) -> tuple[str, str] | None:
+        """What is wrong with the event itself, if anything: (verdict, reason)."""
         if event.topic not in self._valid_topics:
             try:
                 check_topic(event.topic)
@@ -448,7 +480,7 @@ class Relay:
                 f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over the producer's "
                 f"message.max.bytes ({self.publisher.max_message_bytes})",
             )
-        return self.publisher.topic_problem(event.topic)
+        return None
 
     def _settle_key(
         self,
