@@ -896,51 +896,6 @@ def test_drain_and_stop_give_back_the_claim_read_ahead(
     assert per_key_order(records) == ids_by_key(first + second, ids)
 
 
-def test_two_batches_recorded_at_once_keep_every_key_in_order(
-    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
-) -> None:
-    """Slow records overlap (two at once, never more); their keys are disjoint, so order holds."""
-    topic = new_topic(3)
-    keys = [f"k{i}" for i in range(300)]
-    events = seq_events(topic, keys, 3_000)
-    ids = enqueue_bulk(engine, topic_outbox(), events)
-    relay = Relay(make_settings(database_url, kafka_bootstrap, batch_size=100))
-    finish = relay.store.finish
-    lock = threading.Lock()
-    running = 0
-    most = 0
-    seen: list[set[str]] = []
-
-    def slow_finish(token: uuid.UUID, key_outcomes: Any, event_outcomes: Any) -> Any:
-        nonlocal running, most
-        with lock:
-            running += 1
-            most = max(most, running)
-            batch_keys = {k.key for k in key_outcomes}
-            # No key is in a batch whose record has not finished yet.
-            assert all(not (batch_keys & other) for other in seen)
-            seen.append(batch_keys)
-        try:
-            time.sleep(0.05)
-            return finish(token, key_outcomes, event_outcomes)
-        finally:
-            with lock:
-                running -= 1
-                seen.remove(batch_keys)
-
-    relay.store.finish = slow_finish  # type: ignore[method-assign]
-    try:
-        report = relay.drain()
-    finally:
-        relay.close()
-    assert report.delivered == 3_000
-    assert most == 2
-    assert claimed_count(engine) == 0
-    records = consume_all(kafka_bootstrap, topic, 3_000)
-    assert {r.ce_id for r in records} == set(ids)
-    assert per_key_order(records) == ids_by_key(events, ids)
-
-
 # --------------------------------------------------------------------------- 10. topics, fencing
 
 
