@@ -12,7 +12,6 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,9 +41,6 @@ from .settings import RelaySettings, redact_kafka_config
 from .store import Claim, ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome, Store
 
 log = logging.getLogger("outbox_kafka.relay")
-
-#: Sent batches whose outcome may be being recorded at once.
-RECORDS_IN_FLIGHT = 2
 
 T = TypeVar("T")
 
@@ -146,15 +142,11 @@ class Relay:
         self.last_cycle_at: float | None = None
         self.metrics.watch_last_cycle(lambda: self.last_cycle_at)
         self._send_timeout = settings.effective_delivery_timeout_ms / 1000 + 5.0
-        # Sent batches' outcomes are recorded here while the next batches are
-        # claimed and sent: the database and Kafka work overlap, and a key is
-        # never in two batches at once because its lease holds until its record
-        # is done. Batches in flight have no key in common, so their records
-        # (oldest first) can run side by side.
-        self._recorder = ThreadPoolExecutor(
-            max_workers=RECORDS_IN_FLIGHT, thread_name_prefix="outbox-record"
-        )
-        self._recordings: deque[Future[CycleReport]] = deque()
+        # One batch's outcome is recorded here while the next batch is claimed
+        # and sent: the database and Kafka work overlap, and a key is never in
+        # two batches at once because its lease holds until its record is done.
+        self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-record")
+        self._recording: Future[CycleReport] | None = None
         # Likewise the next claim is read while a batch is being sent. Its keys
         # are leased like any claim's; a claim that is never sent is released.
         self._claimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-claim")
@@ -225,10 +217,9 @@ class Relay:
     def _guarded_cycle(self) -> tuple[CycleReport, bool]:
         """One pipelined cycle: (what finished recording meanwhile, whether anything moved).
 
-        While this cycle's batch is sent, the next claim is read and earlier
-        batches are recorded (up to RECORDS_IN_FLIGHT), each on its own
-        connection. A key is never in two batches at once: its lease holds from
-        its claim until its record.
+        While this cycle's batch is sent, the next claim is read and the
+        previous batch is recorded, each on its own connection. A key is never
+        in two batches at once: its lease holds from its claim until its record.
         """
         done = CycleReport()
         try:
@@ -242,13 +233,11 @@ class Relay:
         if not self._stop.is_set() and _worth_reading_ahead(claim, asked, self.settings.batch_size):
             self._claiming = self._claimer.submit(self._claim)
         batch = self._publish_claim(claimed)
-        if batch.report.sent:
-            if len(self._recordings) >= RECORDS_IN_FLIGHT:
-                _add(done, self._await_oldest_recording())
-            self._recordings.append(self._recorder.submit(self._record, batch))
-            return done, True
         previous = self._await_recording()
         _add(done, previous)
+        if batch.report.sent:
+            self._recording = self._recorder.submit(self._record, batch)
+            return done, True
         report = self._record(batch)
         _add(done, report)
         # Keys just released by the previous record may have more work: go again.
@@ -274,15 +263,10 @@ class Relay:
         self._record(_Batch(claim, CycleReport(keys=len(claim.keys)), release))
 
     def _await_recording(self) -> CycleReport:
-        """Wait for every outstanding background record and return their reports, summed."""
-        total = CycleReport()
-        while self._recordings:
-            _add(total, self._await_oldest_recording())
-        return total
-
-    def _await_oldest_recording(self) -> CycleReport:
-        """Wait for the oldest outstanding background record and return its report."""
-        recording = self._recordings.popleft()
+        """Wait for the outstanding background record, if any, and return its report."""
+        recording, self._recording = self._recording, None
+        if recording is None:
+            return CycleReport()
         try:
             return recording.result()
         except StorageError as exc:

@@ -124,8 +124,8 @@ class Store:
         self.names = names
         self.url_for_logs = redact_url(database_url)
         self._database_url = database_url
-        # A claim, two records and retention each run on their own connection at once.
-        self._engine = engine or make_engine(database_url, pool_size=4, max_overflow=2)
+        # Claims, records and retention each run on their own connection at once.
+        self._engine = engine or make_engine(database_url, pool_size=3, max_overflow=2)
         self._q = queries_for(names)
         self._listener: psycopg2.extensions.connection | None = None
 
