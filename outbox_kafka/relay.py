@@ -369,12 +369,20 @@ class Relay:
         batch = self.settings.batch_size
         if not claim.keys:
             return
-        full = sum(1 for k in claim.keys if len(k.events) >= claim.per_key_limit)
+        # Keys that got their whole share of the batch and had more waiting.
+        full = sum(
+            1
+            for k in claim.keys
+            if len(k.events) >= claim.per_key_limit
+            and (k.last_seq is None or k.waiting > len(k.events))
+        )
         floor = max(1, batch // 64)
         if full * 2 > len(claim.keys) > floor:
             # Also when fewer keys were due than asked for: what counts is that
-            # most keys had more waiting than their share of the batch.
-            self._keys_per_claim = max(floor, len(claim.keys) // 2)
+            # most keys had more waiting than their share of the batch. Enough
+            # keys for a full batch at the typical key's backlog, at most half.
+            waiting = sorted(k.waiting for k in claim.keys)[len(claim.keys) // 2]
+            self._keys_per_claim = max(floor, min(len(claim.keys) // 2, batch // waiting))
         elif claim.event_count * 4 < batch * 3 and len(claim.keys) >= asked and asked < batch:
             self._keys_per_claim = min(batch, asked * 2)
 
@@ -558,8 +566,11 @@ class Relay:
                 blocked = True
                 parked = True
                 next_seq = event.seq
-        # Fewer events than asked for: the key had nothing more visible when claimed.
-        drained = len(due) == len(ck.events) < per_key_limit
+        # Every claimed event was due, and the key had nothing more visible when
+        # claimed: fewer events than asked for, or all it had been handed out.
+        drained = len(due) == len(ck.events) and (
+            len(ck.events) < per_key_limit or ck.waiting_beyond_claim == 0
+        )
         exhausted_key = drained and not blocked and not parked
         return KeyOutcome(ck.key, next_seq, delay, parked, exhausted_key)
 

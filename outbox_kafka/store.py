@@ -47,8 +47,24 @@ class ClaimedKey:
     key: str
     next_seq: int
     events: list[ClaimedEvent] = field(default_factory=list)
-    #: For a key with no pending event: its last sequence number at claim time.
+    #: The last sequence number handed out for the key at claim time (None: unknown).
     last_seq: int | None = None
+
+    @property
+    def waiting(self) -> int:
+        """How many events the key had from ``next_seq`` on: at least those claimed."""
+        return len(self.events) + self.waiting_beyond_claim
+
+    @property
+    def waiting_beyond_claim(self) -> int:
+        """Sequence numbers handed out from ``next_seq`` on that the claim did not bring.
+
+        Unknown (``last_seq`` None) counts as one. Sequence numbers of events
+        that are not pending, or not committed yet, count too.
+        """
+        if self.last_seq is None:
+            return 1
+        return max(0, self.last_seq - self.next_seq + 1 - len(self.events))
 
 
 @dataclass(frozen=True)
@@ -180,9 +196,8 @@ class Store:
         ) in rows:
             # Rows come ordered by key: a key's rows are consecutive.
             if claimed is None or claimed.key != key:
-                claimed = keys[key] = ClaimedKey(key, next_seq)
+                claimed = keys[key] = ClaimedKey(key, next_seq, last_seq=last_seq)
             if event_id is None:
-                claimed.last_seq = last_seq
                 continue
             # bytea's escape format is ASCII: it doubles a backslash and writes a zero
             # byte or one with the high bit set as a backslash and three octal digits.

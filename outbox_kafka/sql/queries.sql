@@ -92,9 +92,10 @@ SELECT CASE WHEN :notify THEN pg_notify(:channel, '') END AS notified;
 -- name: claim
 -- Claims up to :max_keys due keys (skipping keys another relay is claiming),
 -- leases them for :lease_seconds, and returns up to :batch_size of their
--- pending events in per-key sequence order. Keys that turn out to have no
--- visible pending event come back with NULL event columns and the key's
--- last sequence number as of the same snapshot. wait_seconds is NULL for an
+-- pending events in per-key sequence order, each row with its key's last
+-- sequence number handed out (so the relay knows how many events each key
+-- has waiting). Keys that turn out to have no visible pending event come
+-- back with NULL event columns. wait_seconds is NULL for an
 -- event that is due. Headers come as jsonb's text form: the relay decodes it
 -- without a general JSON parser in the common case. The value comes in
 -- bytea's escape format, not as hex: an envelope is ASCII JSON in the common
@@ -114,6 +115,10 @@ WITH candidates AS (
         due_at = now() + make_interval(secs => :lease_seconds)
     WHERE k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
     RETURNING k.ordering_key, k.next_seq
+), depths AS (
+    SELECT c.ordering_key, c.next_seq, s.last_seq
+    FROM claimed c
+    LEFT JOIN {seqs} s ON s.ordering_key = c.ordering_key
 ), per_key AS (
     SELECT GREATEST(1, CAST(:batch_size AS bigint) / GREATEST(1, count(*))) AS n FROM claimed
 )
@@ -129,10 +134,8 @@ SELECT c.ordering_key,
        CASE WHEN e.available_at > now()
             THEN CAST(EXTRACT(EPOCH FROM e.available_at - now()) AS double precision)
        END AS wait_seconds,
-       CASE WHEN e.event_id IS NULL
-            THEN (SELECT s.last_seq FROM {seqs} s WHERE s.ordering_key = c.ordering_key)
-       END AS last_seq
-FROM claimed c
+       c.last_seq
+FROM depths c
 LEFT JOIN LATERAL (
     SELECT *
     FROM {events} ev

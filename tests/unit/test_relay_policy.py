@@ -27,9 +27,17 @@ def _event(key: str, seq: int) -> ClaimedEvent:
     return ClaimedEvent(str(uuid.uuid4()), key, seq, "t", "x", b"{}", [], 0, True, 0.0)
 
 
-def _claim(events_per_key: list[int], per_key_limit: int) -> Claim:
+def _claim(
+    events_per_key: list[int], per_key_limit: int, waiting: list[int] | None = None
+) -> Claim:
+    """Keys from next_seq 1 with these many events claimed (and, if given, waiting)."""
     keys = [
-        ClaimedKey(f"k{i}", 1, [_event(f"k{i}", s + 1) for s in range(n)])
+        ClaimedKey(
+            f"k{i}",
+            1,
+            [_event(f"k{i}", s + 1) for s in range(n)],
+            None if waiting is None else waiting[i],
+        )
         for i, n in enumerate(events_per_key)
     ]
     return Claim(uuid.uuid4(), keys, per_key_limit)
@@ -55,6 +63,23 @@ def test_claims_fewer_keys_when_fewer_keys_than_asked_each_have_more_waiting(
     assert relay._keys_per_claim == 150
     relay._adapt_keys_per_claim(_claim([6] * 150, per_key_limit=6), 150)
     assert relay._keys_per_claim == 75
+
+
+def test_goes_straight_to_enough_keys_for_a_full_batch_when_backlogs_are_known(
+    relay: Relay,
+) -> None:
+    # 1,000 keys with 5 events waiting each, one claimed of each: 200 keys fill the batch.
+    relay._adapt_keys_per_claim(_claim([1] * 1000, per_key_limit=1, waiting=[5] * 1000), 1000)
+    assert relay._keys_per_claim == 200
+    # 200 keys x 5 events, nothing more waiting: stay.
+    relay._adapt_keys_per_claim(_claim([5] * 200, per_key_limit=5, waiting=[5] * 200), 200)
+    assert relay._keys_per_claim == 200
+
+
+def test_keys_with_nothing_more_waiting_do_not_shrink_the_claim(relay: Relay) -> None:
+    relay._keys_per_claim = 400
+    relay._adapt_keys_per_claim(_claim([2] * 400, per_key_limit=2, waiting=[2] * 400), 400)
+    assert relay._keys_per_claim == 400
 
 
 def test_claims_more_keys_again_when_keys_run_short(relay: Relay) -> None:
