@@ -75,6 +75,8 @@ class _Claimed(NamedTuple):
     asked: int
     #: By ``id(event)``: (verdict, reason) of the first event of a key that fails a check.
     problems: dict[int, tuple[str, str]]
+    #: ``time.monotonic()`` when the claim was asked for: its lease began after.
+    asked_at: float
 
 
 @dataclass
@@ -141,7 +143,8 @@ class Relay:
         self._keys_per_claim = settings.batch_size
         self.last_cycle_at: float | None = None
         self.metrics.watch_last_cycle(lambda: self.last_cycle_at)
-        self._send_timeout = settings.effective_delivery_timeout_ms / 1000 + 5.0
+        self._delivery_timeout = settings.effective_delivery_timeout_ms / 1000
+        self._send_timeout = self._delivery_timeout + 5.0
         # One batch's outcome is recorded here while the next batch is claimed
         # and sent: the database and Kafka work overlap, and a key is never in
         # two batches at once because its lease holds until its record is done.
@@ -229,7 +232,7 @@ class Relay:
             log.warning("database unavailable", extra={"action": "db_error", "error": str(exc)})
             _add(done, self._await_recording())
             return done, False
-        claim, asked, _ = claimed
+        claim, asked = claimed.claim, claimed.asked
         if not self._stop.is_set() and _worth_reading_ahead(claim, asked, self.settings.batch_size):
             self._claiming = self._claimer.submit(self._claim)
         batch = self._publish_claim(claimed)
@@ -247,7 +250,18 @@ class Relay:
         """The claim read ahead during the last cycle, or a new one."""
         claiming, self._claiming = self._claiming, None
         if claiming is not None:
-            return claiming.result()
+            claimed = claiming.result()
+            lease_left = self.settings.lease_seconds - (time.monotonic() - claimed.asked_at)
+            if lease_left >= self._delivery_timeout:
+                return claimed
+            # It waited behind a slow send: what is left of its lease would not
+            # cover a send of its own, so its keys could pass to another relay
+            # while their messages are still in flight. Claim them afresh.
+            log.info(
+                "claim read ahead outlived its use; released",
+                extra={"action": "release", "keys": len(claimed.claim.keys)},
+            )
+            self._release(claimed.claim)
         return self._claim()
 
     def _release_prefetched(self) -> None:
@@ -259,6 +273,10 @@ class Relay:
             claim = claiming.result().claim
         except StorageError:
             return  # nothing was leased
+        self._release(claim)
+
+    def _release(self, claim: Claim) -> None:
+        """Hand a claim's keys back as they were, to be claimed again at once."""
         release = [KeyOutcome(k.key, k.next_seq, 0.0, False, False) for k in claim.keys]
         self._record(_Batch(claim, CycleReport(keys=len(claim.keys)), release))
 
@@ -301,7 +319,7 @@ class Relay:
             stop_on_shutdown=True,
         )
         self.metrics.claim_seconds.observe(time.monotonic() - started)
-        return _Claimed(claim, keys_wanted, self._check_claim(claim))
+        return _Claimed(claim, keys_wanted, self._check_claim(claim), started)
 
     def _check_claim(self, claim: Claim) -> dict[int, tuple[str, str]]:
         """The first due event of each key that fails its own checks, with (verdict, reason)."""

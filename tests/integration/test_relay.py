@@ -896,6 +896,45 @@ def test_drain_and_stop_give_back_the_claim_read_ahead(
     assert per_key_order(records) == ids_by_key(first + second, ids)
 
 
+def test_a_claim_read_ahead_behind_a_slow_send_is_claimed_afresh_not_sent_late(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """A claim read during a 2 s send has 1 s of its 3 s lease left: too little for its own send."""
+    topic = new_topic(2)
+    events = seq_events(topic, [f"k{i}" for i in range(150)], 300)
+    ids = enqueue_bulk(engine, topic_outbox(), events)
+    relay = Relay(
+        make_settings(
+            database_url, kafka_bootstrap, batch_size=50, lease_seconds=3, delivery_timeout_ms=2400
+        )
+    )
+    send = relay.publisher.send
+    release = relay._release
+    released = 0
+
+    def slow_send(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(2.0)  # a broker that answers late, within the delivery timeout
+        return send(*args, **kwargs)
+
+    def counted_release(claim: Any) -> None:
+        nonlocal released
+        released += 1
+        release(claim)
+
+    relay.publisher.send = slow_send  # type: ignore[method-assign]
+    relay._release = counted_release  # type: ignore[method-assign]
+    try:
+        report = relay.drain()
+    finally:
+        relay.close()
+    assert released > 0, "no claim was read ahead behind a slow send"
+    assert report.leases_lost == 0
+    assert report.delivered == 300
+    records = consume_all(kafka_bootstrap, topic, 300)
+    assert sorted(r.ce_id for r in records) == sorted(str(i) for i in ids)  # once each
+    assert per_key_order(records) == ids_by_key(events, ids)
+
+
 # --------------------------------------------------------------------------- 10. topics, fencing
 
 

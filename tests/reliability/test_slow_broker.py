@@ -1,11 +1,17 @@
-"""A broker that answers later than the lease: leases are lost, counted, and fenced.
+"""A broker that answers later than the lease: sends time out and are retried; nothing else.
 
 Two relays share the outbox behind a proxy that holds every response from
-the broker for longer than the lease (requests still arrive at once). A batch
-then outlives its lease; the other relay, or the same relay's next claim,
-takes the keys over and sends the events again. The late outcome must not
-be recorded (the finish is fenced by the claim token), the loss must show in
-``outbox_leases_lost_total``, and per-key order must hold in Kafka.
+the broker for longer than the lease (requests still arrive at once). Every
+send then times out (the delivery timeout is below the lease) and its events
+are retried with backoff. A batch can still outlive its lease when the
+producer reports a timeout late; the other relay, or the same relay's next
+claim, then takes the keys over and sends the events again. Such a late
+outcome must not be recorded (the finish is fenced by the claim token), each
+loss must show in ``outbox_leases_lost_total``, and per-key order must hold
+in Kafka. A claim read ahead behind a slow send is claimed afresh rather than
+sent with the little that is left of its lease, so lost leases are rare here;
+``test_a_claim_read_ahead_behind_a_slow_send_is_claimed_afresh_not_sent_late``
+and the fencing tests in ``tests/integration`` cover both paths one by one.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from tests.reliability.servers import RestartableBroker
 LEASE = 3.0
 
 
-def test_responses_slower_than_the_lease_lose_leases_but_nothing_else(
+def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
     engine: sa.Engine, database_url: str, tmp_path: Path
 ) -> None:
     slow_for = seconds(10, 45)
@@ -112,7 +118,7 @@ def test_responses_slower_than_the_lease_lose_leases_but_nothing_else(
         broker.close()
     check_writer(engine, writer)
     lost_leases = leases_lost()
-    assert lost_leases > 0, "no batch outlived its lease: the delay did not bite"
+    assert sum(r.total("retried") for r in relays) > 0, "no send failed: the delay did not bite"
     assert lost_leases == sum(r.total("leases_lost") for r in relays)
     assert delivered_count(engine) == total
 
