@@ -220,9 +220,13 @@ class Relay:
     def _guarded_cycle(self) -> tuple[CycleReport, bool]:
         """One pipelined cycle: (what finished recording meanwhile, whether anything moved).
 
-        While this cycle's batch is sent, the next claim is read and the
-        previous batch is recorded, each on its own connection. A key is never
-        in two batches at once: its lease holds from its claim until its record.
+        While this cycle's batch is sent, the next claim is read on its own
+        connection; the previous batch is recorded on a third while this
+        cycle's claim is finished and checked. The record always commits
+        before this batch is produced, so at any moment at most one batch is
+        with Kafka and not yet recorded: all that a killed relay can leave to
+        be sent twice. A key is never in two batches at once: its lease holds
+        from its claim until its record.
         """
         done = CycleReport()
         try:
@@ -235,9 +239,9 @@ class Relay:
         claim, asked = claimed.claim, claimed.asked
         if not self._stop.is_set() and _worth_reading_ahead(claim, asked, self.settings.batch_size):
             self._claiming = self._claimer.submit(self._claim)
-        batch = self._publish_claim(claimed)
         previous = self._await_recording()
         _add(done, previous)
+        batch = self._publish_claim(claimed)
         if batch.report.sent:
             self._recording = self._recorder.submit(self._record, batch)
             return done, True

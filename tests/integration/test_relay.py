@@ -935,6 +935,57 @@ def test_a_claim_read_ahead_behind_a_slow_send_is_claimed_afresh_not_sent_late(
     assert per_key_order(records) == ids_by_key(events, ids)
 
 
+def test_a_batch_is_produced_only_after_the_one_before_it_is_recorded(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """At most one batch is ever sent and unrecorded: what a kill -9 can leave to send twice.
+
+    Each record is slowed to 0.2 s, far longer than a send, so a send that
+    did not wait for the record before it would start while that record runs.
+    """
+    topic = new_topic(2)
+    events = seq_events(topic, [f"k{i}" for i in range(400)], 2_000)
+    ids = enqueue_bulk(engine, topic_outbox(), events)
+    relay = Relay(make_settings(database_url, kafka_bootstrap, batch_size=200))
+    send, finish = relay.publisher.send, relay.store.finish
+    lock = threading.Lock()
+    recording = 0
+    sends = 0
+    sends_during_a_record = 0
+
+    def watched_send(*args: Any, **kwargs: Any) -> Any:
+        nonlocal sends, sends_during_a_record
+        with lock:
+            sends += 1
+            sends_during_a_record += recording > 0
+        return send(*args, **kwargs)
+
+    def slow_finish(*args: Any, **kwargs: Any) -> Any:
+        nonlocal recording
+        with lock:
+            recording += 1
+        try:
+            time.sleep(0.2)
+            return finish(*args, **kwargs)
+        finally:
+            with lock:
+                recording -= 1
+
+    relay.publisher.send = watched_send  # type: ignore[method-assign]
+    relay.store.finish = slow_finish  # type: ignore[method-assign]
+    try:
+        report = relay.drain()
+    finally:
+        relay.close()
+    assert report.delivered == 2_000
+    assert sends >= 10, f"only {sends} batches: too few to overlap"
+    overlapped = sends_during_a_record
+    assert overlapped == 0, f"{overlapped} of {sends} sends started while a record ran"
+    records = consume_all(kafka_bootstrap, topic, 2_000)
+    assert sorted(r.ce_id for r in records) == sorted(str(i) for i in ids)
+    assert per_key_order(records) == ids_by_key(events, ids)
+
+
 # --------------------------------------------------------------------------- 10. topics, fencing
 
 
