@@ -338,7 +338,7 @@ class ThroughputBench:
             )
             for phase, label in (
                 ("claim", "claim"),
-                ("publish", "publish (check + produce + flush)"),
+                ("publish", "publish (produce + delivery reports)"),
                 ("mark", "finish statement"),
             )
         ]
