@@ -121,6 +121,23 @@ def _int_array(values: Sequence[int | None]) -> str:
     return "{" + ",".join(["NULL" if v is None else str(v) for v in values]) + "}"
 
 
+#: SQLSTATEs of convert_from on bytes that are not UTF-8 text: an invalid byte
+#: sequence (a zero byte included), or a character the server encoding lacks.
+_NOT_UTF8_TEXT = frozenset({"22021", "22P05"})
+
+
+class _ValueNotText(Exception):
+    """A claimed value could not be read as UTF-8 text."""
+
+
+def _speaks_utf8(dbapi_connection: Any) -> bool:
+    """Text from this connection is the stored UTF-8 bytes, decoded: no conversion between."""
+    return bool(
+        dbapi_connection.encoding == "UTF8"
+        and dbapi_connection.get_parameter_status("server_encoding") == "UTF8"
+    )
+
+
 @contextlib.contextmanager
 def _translated(what: str) -> Iterator[None]:
     try:
@@ -176,9 +193,14 @@ class Store:
             "batch_size": batch_size,
             "lease_seconds": lease_seconds,
         }
-        with self._cursor("claiming events") as cur:
-            cur.execute(self._q.driver_sql("claim"), params)
-            rows = cur.fetchall()
+        try:
+            rows, as_text = self._claim_rows(params, as_text=True)
+        except _ValueNotText:
+            # A value that is not UTF-8 (written behind the library's back) failed
+            # the whole statement, which changed nothing: claim again with every
+            # value in bytea's escape format. The relay discards that event as an
+            # invalid envelope, and the claims after it are back on text.
+            rows, as_text = self._claim_rows(params, as_text=False)
         keys: dict[str, ClaimedKey] = {}
         claimed: ClaimedKey | None = None
         for (
@@ -199,11 +221,13 @@ class Store:
                 claimed = keys[key] = ClaimedKey(key, next_seq, last_seq=last_seq)
             if event_id is None:
                 continue
-            # bytea's escape format is ASCII: it doubles a backslash and writes a zero
-            # byte or one with the high bit set as a backslash and three octal digits.
-            # With no backslash in it, the text is the value.
             text: str | None = value
-            if "\\" in value:
+            if as_text:
+                data = value.encode()
+            elif "\\" in value:
+                # bytea's escape format is ASCII: it doubles a backslash and writes a
+                # zero byte or one with the high bit set as a backslash and three
+                # octal digits. With no backslash in it, the text is the value.
                 text = None
                 data = escape_decode(value)[0]
             else:
@@ -225,6 +249,18 @@ class Store:
             )
         per_key = max(1, batch_size // max(1, len(keys)))
         return Claim(token=token, keys=list(keys.values()), per_key_limit=per_key)
+
+    def _claim_rows(self, params: dict[str, Any], *, as_text: bool) -> tuple[list[Any], bool]:
+        """Run the claim; its rows, and whether their values came as text."""
+        with self._cursor("claiming events") as cur:
+            as_text = as_text and _speaks_utf8(cur.connection)
+            try:
+                cur.execute(self._q.driver_sql("claim"), {**params, "values_as_text": as_text})
+            except psycopg2.Error as exc:
+                if as_text and exc.pgcode in _NOT_UTF8_TEXT:
+                    raise _ValueNotText from exc
+                raise
+            return cur.fetchall(), as_text
 
     def finish(
         self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]

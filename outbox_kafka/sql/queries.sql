@@ -97,10 +97,13 @@ SELECT CASE WHEN :notify THEN pg_notify(:channel, '') END AS notified;
 -- has waiting). Keys that turn out to have no visible pending event come
 -- back with NULL event columns. wait_seconds is NULL for an
 -- event that is due. Headers come as jsonb's text form: the relay decodes it
--- without a general JSON parser in the common case. The value comes in
--- bytea's escape format, not as hex: an envelope is ASCII JSON in the common
--- case, which this format sends as it is, at half the size of hex and
--- already text for the relay's JSON check.
+-- without a general JSON parser in the common case. With :values_as_text
+-- (the database and the connection speak UTF-8) the value comes as text:
+-- an envelope is UTF-8 JSON, which the server only has to validate, and the
+-- relay checks the text it got. convert_from fails the whole statement on a
+-- value that is not UTF-8 (only a row written behind the library's back);
+-- the relay then claims again without :values_as_text and gets every value
+-- in bytea's escape format, which any byte survives, at half the size of hex.
 WITH candidates AS (
     SELECT ordering_key
     FROM {keys}
@@ -128,7 +131,9 @@ SELECT c.ordering_key,
        e.seq,
        e.topic,
        e.type,
-       encode(e.value, 'escape') AS value,
+       CASE WHEN :values_as_text THEN convert_from(e.value, 'UTF8')
+            ELSE encode(e.value, 'escape')
+       END AS value,
        CAST(e.headers AS text) AS headers,
        e.attempts,
        CASE WHEN e.available_at > now()

@@ -349,6 +349,7 @@ def _explain_claim(engine: sa.Engine, batch_size: int) -> dict[str, Any]:
         "max_keys": batch_size,
         "batch_size": batch_size,
         "lease_seconds": 30.0,
+        "values_as_text": True,
     }
     with engine.connect() as conn:
         dbapi: Any = conn.connection.dbapi_connection
