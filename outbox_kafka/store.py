@@ -222,9 +222,7 @@ class Store:
             if event_id is None:
                 continue
             text: str | None = value
-            if as_text:
-                data = value.encode()
-            elif "\\" in value:
+            if not as_text and "\\" in value:
                 # bytea's escape format is ASCII: it doubles a backslash and writes a
                 # zero byte or one with the high bit set as a backslash and three
                 # octal digits. With no backslash in it, the text is the value.
