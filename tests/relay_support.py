@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import select
 import socket
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from outbox_kafka import Event, Outbox
 from outbox_kafka.relay import CycleReport, Relay
@@ -145,7 +146,14 @@ class TopicReader:
             }
         )
         self.partitions = _partitions(self._consumer, topic, timeout)
-        self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in self.partitions])
+        # Offset 0, not OFFSET_BEGINNING: every topic a test reads starts at 0,
+        # and the logical offset costs a ListOffsets request whose answer a
+        # Kafka-protocol broker may get wrong. The test broker answers
+        # "earliest" with the batch written first, not the lowest offset; when
+        # concurrent producers' batches land out of offset order, it names a
+        # later batch and the earlier ones would never be read. (Were 0 out
+        # of range, auto.offset.reset still falls back to the earliest offset.)
+        self._consumer.assign([TopicPartition(topic, p, 0) for p in self.partitions])
 
     def poll(self, seconds: float) -> int:
         """Read for up to ``seconds``; return how many records arrived."""
@@ -425,6 +433,11 @@ def scalar(engine: sa.Engine, sql: str, **params: Any) -> Any:
         return conn.execute(sa.text(sql), params).scalar()
 
 
+def rows(engine: sa.Engine, sql: str, **params: Any) -> Sequence[sa.Row[Any]]:
+    with engine.connect() as conn:
+        return conn.execute(sa.text(sql), params).all()
+
+
 def wait_until(
     condition: Callable[[], bool],
     timeout: float,
@@ -445,18 +458,67 @@ def wait_until(
 
 def outbox_summary(engine: sa.Engine) -> str:
     """Events by status, attempts and error, for failure messages."""
-    with engine.connect() as conn:
-        found = conn.execute(
-            sa.text(
-                "SELECT status, attempts > 0 AS retried, left(last_error, 160) AS error, "
-                "count(*) AS n FROM outbox GROUP BY 1, 2, 3 ORDER BY 4 DESC LIMIT 12"
-            )
-        ).all()
+    found = rows(
+        engine,
+        "SELECT status, attempts > 0 AS retried, left(last_error, 160) AS error, "
+        "count(*) AS n FROM outbox GROUP BY 1, 2, 3 ORDER BY 4 DESC LIMIT 12",
+    )
     return "\n".join(f"  {r.n:6d} {r.status:9s} retried={r.retried} {r.error}" for r in found)
 
 
 def delivered_count(engine: sa.Engine) -> int:
     return int(scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'delivered'"))
+
+
+def delivered_positions_problem(engine: sa.Engine) -> str | None:
+    """Delivered events that the broker acknowledged at the same (partition, offset), if any.
+
+    Kafka gives every acknowledged message an offset of its own, so two events
+    recorded at one position mean the broker overwrote one of them.
+    """
+    found = rows(
+        engine,
+        "SELECT topic, kafka_partition, kafka_offset, count(*) AS n FROM outbox "
+        "WHERE status = 'delivered' GROUP BY 1, 2, 3 HAVING count(*) > 1 "
+        "ORDER BY 2, 3 LIMIT 10",
+    )
+    if not found:
+        return None
+    return "the broker acknowledged several events at one position: " + ", ".join(
+        f"{r.topic}[{r.kafka_partition}]@{r.kafka_offset} x{r.n}" for r in found
+    )
+
+
+def missing_from_topic(engine: sa.Engine, records: Sequence[Record]) -> str:
+    """Why delivered events are not among ``records``: where the relay recorded them
+    and what the topic holds at those positions. For failure messages."""
+    by_position = {(r.partition, r.offset): r for r in records}
+    read = {r.ce_id for r in records if "ce_id" in r.headers}
+    delivered = rows(
+        engine,
+        "SELECT event_id::text AS id, ordering_key, seq, attempts, kafka_partition, "
+        "kafka_offset FROM outbox WHERE status = 'delivered' ORDER BY 5, 6",
+    )
+    missing = [r for r in delivered if r.id not in read]
+    lines = [f"{len(missing)} delivered events are not in the topic ({len(records)} records read)"]
+    for r in missing[:12]:
+        there = by_position.get((r.kafka_partition, r.kafka_offset))
+        holds = "nothing" if there is None else f"{there.ce_id} (key {there.key})"
+        lines.append(
+            f"  {r.id} key {r.ordering_key} seq {r.seq} attempts {r.attempts}: recorded at "
+            f"[{r.kafka_partition}]@{r.kafka_offset}, the topic holds {holds} there"
+        )
+    for partition in sorted({r.partition for r in records}):
+        offsets = sorted(r.offset for r in records if r.partition == partition)
+        gaps = sum(1 for a, b in itertools.pairwise(offsets) if b != a + 1)
+        lines.append(
+            f"  partition {partition}: {len(offsets)} records, offsets "
+            f"{offsets[0]}..{offsets[-1]}, {gaps} gaps"
+        )
+    problem = delivered_positions_problem(engine)
+    if problem is not None:
+        lines.append(f"  {problem}")
+    return "\n".join(lines)
 
 
 def claimed_count(engine: sa.Engine) -> int:

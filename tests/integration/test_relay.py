@@ -41,10 +41,12 @@ from tests.relay_support import (
     claimed_count,
     consume_all,
     delivered_count,
+    delivered_positions_problem,
     discarded_count,
     enqueue_bulk,
     kafka_partition,
     make_settings,
+    missing_from_topic,
     murmur2,
     outbox_summary,
     per_key_order,
@@ -804,8 +806,9 @@ def test_three_relays_share_one_outbox_without_loss_reordering_or_duplicates(
     assert sum(1 for t in threads if t.total("delivered") > 0) >= 2, "one relay did everything"
 
     records = consume_all(kafka_bootstrap, topic, 10_000)
-    assert len(records) == 10_000
+    assert len(records) == 10_000, missing_from_topic(engine, records)
     assert len({r.ce_id for r in records}) == 10_000
+    assert delivered_positions_problem(engine) is None
     assert per_key_order(records) == ids_by_key(events, ids)
     assert_each_key_on_its_partition(records, 6)
 
