@@ -471,10 +471,11 @@ def delivered_count(engine: sa.Engine) -> int:
 
 
 def delivered_positions_problem(engine: sa.Engine) -> str | None:
-    """Delivered events that the broker acknowledged at the same (partition, offset), if any.
+    """Delivered events recorded at the same (partition, offset), if any.
 
     Kafka gives every acknowledged message an offset of its own, so two events
-    recorded at one position mean the broker overwrote one of them.
+    recorded at one position mean the relay matched a delivery report to the
+    wrong event, or the broker stored two messages at one offset.
     """
     found = rows(
         engine,
@@ -484,7 +485,7 @@ def delivered_positions_problem(engine: sa.Engine) -> str | None:
     )
     if not found:
         return None
-    return "the broker acknowledged several events at one position: " + ", ".join(
+    return "several delivered events are recorded at one position: " + ", ".join(
         f"{r.topic}[{r.kafka_partition}]@{r.kafka_offset} x{r.n}" for r in found
     )
 
