@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox_kafka.relay import CycleReport, Relay
-from tests.relay_support import enqueue_bulk, make_settings, seq_events, topic_outbox
+from tests.relay_support import enqueue_bulk, make_settings, rows, seq_events, topic_outbox
 
 CORRUPT = sa.text("UPDATE outbox SET value = 'not json'::bytea WHERE event_id = :id")
 RESTORE = sa.text("UPDATE outbox SET value = :v WHERE event_id = :id")
@@ -41,11 +41,6 @@ def corrupt(engine: sa.Engine, event_id: str) -> bytes:
 def restore(engine: sa.Engine, event_id: str, value: bytes) -> None:
     with engine.begin() as conn:
         conn.execute(RESTORE, {"v": value, "id": event_id})
-
-
-def rows(engine: sa.Engine, sql: str, **params: Any) -> list[Any]:
-    with engine.connect() as conn:
-        return list(conn.execute(sa.text(sql), params).all())
 
 
 def snapshot(engine: sa.Engine) -> tuple[list[Any], list[Any]]:

@@ -433,9 +433,9 @@ def scalar(engine: sa.Engine, sql: str, **params: Any) -> Any:
         return conn.execute(sa.text(sql), params).scalar()
 
 
-def rows(engine: sa.Engine, sql: str, **params: Any) -> Sequence[sa.Row[Any]]:
+def rows(engine: sa.Engine, sql: str, **params: Any) -> list[Any]:
     with engine.connect() as conn:
-        return conn.execute(sa.text(sql), params).all()
+        return list(conn.execute(sa.text(sql), params).all())
 
 
 def wait_until(
@@ -509,8 +509,11 @@ def missing_from_topic(engine: sa.Engine, records: Sequence[Record]) -> str:
             f"  {r.id} key {r.ordering_key} seq {r.seq} attempts {r.attempts}: recorded at "
             f"[{r.kafka_partition}]@{r.kafka_offset}, the topic holds {holds} there"
         )
-    for partition in sorted({r.partition for r in records}):
-        offsets = sorted(r.offset for r in records if r.partition == partition)
+    offsets_by_partition: dict[int, list[int]] = collections.defaultdict(list)
+    for rec in records:
+        offsets_by_partition[rec.partition].append(rec.offset)
+    for partition, offsets in sorted(offsets_by_partition.items()):
+        offsets.sort()
         gaps = sum(1 for a, b in itertools.pairwise(offsets) if b != a + 1)
         lines.append(
             f"  partition {partition}: {len(offsets)} records, offsets "

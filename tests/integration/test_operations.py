@@ -32,10 +32,16 @@ from tests.operator_support import (
     counts_by_topic,
     drain,
     restore,
-    rows,
     snapshot,
 )
-from tests.relay_support import consume_all, enqueue_bulk, per_key_order, scalar, topic_outbox
+from tests.relay_support import (
+    consume_all,
+    enqueue_bulk,
+    per_key_order,
+    rows,
+    scalar,
+    topic_outbox,
+)
 
 # --------------------------------------------------------------------------- stats
 

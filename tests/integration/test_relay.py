@@ -50,6 +50,7 @@ from tests.relay_support import (
     murmur2,
     outbox_summary,
     per_key_order,
+    rows,
     running_relay,
     scalar,
     seq_events,
@@ -68,11 +69,6 @@ def drain(settings: RelaySettings) -> CycleReport:
         return relay.drain()
     finally:
         relay.close()
-
-
-def rows(engine: sa.Engine, sql: str, **params: Any) -> list[Any]:
-    with engine.connect() as conn:
-        return list(conn.execute(sa.text(sql), params).all())
 
 
 def ids_by_key(events: list[Event], ids: list[str]) -> dict[str, list[str]]:
