@@ -24,7 +24,7 @@ from .database import make_engine, redact_url
 from .envelope import headers_from_text
 from .errors import StorageError
 from .naming import TableNames
-from .queries import pg_array, queries_for
+from .queries import pg_array, pg_text_array, queries_for
 
 
 class ClaimedEvent(NamedTuple):
@@ -252,8 +252,22 @@ class Store:
         """Run the claim; its rows, and whether their values came as text."""
         with self._cursor("claiming events") as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
+            # Two statements, so that the events are read from a snapshot taken
+            # after the keys are locked: see claim_keys in queries.sql.
+            cur.execute(self._q.driver_sql("claim_keys"), params)
+            leased = cur.fetchall()
+            if not leased:
+                return [], as_text
             try:
-                cur.execute(self._q.driver_sql("claim"), {**params, "values_as_text": as_text})
+                cur.execute(
+                    self._q.driver_sql("claim_events"),
+                    {
+                        "key_names": pg_text_array([key for key, _ in leased]),
+                        "key_next_seqs": _int_array([next_seq for _, next_seq in leased]),
+                        "batch_size": params["batch_size"],
+                        "values_as_text": as_text,
+                    },
+                )
             except psycopg2.Error as exc:
                 if as_text and exc.pgcode in _NOT_UTF8_TEXT:
                     raise _ValueNotText from exc

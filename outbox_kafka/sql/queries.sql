@@ -89,21 +89,16 @@ WITH counter AS (
 )
 SELECT CASE WHEN :notify THEN pg_notify(:channel, '') END AS notified;
 
--- name: claim
--- Claims up to :max_keys due keys (skipping keys another relay is claiming),
--- leases them for :lease_seconds, and returns up to :batch_size of their
--- pending events in per-key sequence order, each row with its key's last
--- sequence number handed out (so the relay knows how many events each key
--- has waiting). Keys that turn out to have no visible pending event come
--- back with NULL event columns. wait_seconds is NULL for an
--- event that is due. Headers come as jsonb's text form: the relay decodes it
--- without a general JSON parser in the common case. With :values_as_text
--- (the database and the connection speak UTF-8) the value comes as text:
--- an envelope is UTF-8 JSON, which the server only has to validate, and the
--- relay checks the text it got. convert_from fails the whole statement on a
--- value that is not UTF-8 (only a row written behind the library's back);
--- the relay then claims again without :values_as_text and gets every value
--- in bytea's escape format, which any byte survives, at half the size of hex.
+-- name: claim_keys
+-- Claims up to :max_keys due keys (skipping keys another relay is claiming)
+-- and leases them for :lease_seconds; returns each key with its next_seq.
+-- The events are read by claim_events, the next statement of the same
+-- transaction, and not here: a key row that changed after this statement's
+-- snapshot was taken (an operator's requeue lowering next_seq) is locked and
+-- returned in its newest version, while events read by this statement would
+-- come from the older snapshot, where the requeued events are still
+-- discarded. The next statement takes a new snapshot, after these locks are
+-- held, so it sees every change committed to these keys.
 WITH candidates AS (
     SELECT ordering_key
     FROM {keys}
@@ -111,17 +106,33 @@ WITH candidates AS (
     ORDER BY due_at
     LIMIT :max_keys
     FOR UPDATE SKIP LOCKED
-), claimed AS (
-    UPDATE {keys} k
-    SET claim_token = :token,
-        lease_expires_at = now() + make_interval(secs => :lease_seconds),
-        due_at = now() + make_interval(secs => :lease_seconds)
-    WHERE k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
-    RETURNING k.ordering_key, k.next_seq
-), depths AS (
-    SELECT c.ordering_key, c.next_seq, s.last_seq
-    FROM claimed c
-    LEFT JOIN {seqs} s ON s.ordering_key = c.ordering_key
+)
+UPDATE {keys} k
+SET claim_token = :token,
+    lease_expires_at = now() + make_interval(secs => :lease_seconds),
+    due_at = now() + make_interval(secs => :lease_seconds)
+WHERE k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
+RETURNING k.ordering_key, k.next_seq;
+
+-- name: claim_events
+-- The next pending events of the keys claim_keys has just leased
+-- (:key_names with their :key_next_seqs), up to :batch_size in all, shared
+-- evenly between the keys, in per-key sequence order; each row with its key's
+-- last sequence number handed out (so the relay knows how many events each
+-- key has waiting). Keys that turn out to have no visible pending event come
+-- back with NULL event columns. wait_seconds is NULL for an event that is
+-- due. Headers come as jsonb's text form: the relay decodes it without a
+-- general JSON parser in the common case. With :values_as_text (the database
+-- and the connection speak UTF-8) the value comes as text: an envelope is
+-- UTF-8 JSON, which the server only has to validate, and the relay checks
+-- the text it got. convert_from fails the whole statement on a value that is
+-- not UTF-8 (only a row written behind the library's back); the relay then
+-- claims again without :values_as_text and gets every value in bytea's escape
+-- format, which any byte survives, at half the size of hex.
+WITH claimed AS (
+    SELECT *
+    FROM unnest(CAST(:key_names AS text[]), CAST(:key_next_seqs AS bigint[]))
+         AS c(ordering_key, next_seq)
 ), per_key AS (
     SELECT GREATEST(1, CAST(:batch_size AS bigint) / GREATEST(1, count(*))) AS n FROM claimed
 )
@@ -139,8 +150,9 @@ SELECT c.ordering_key,
        CASE WHEN e.available_at > now()
             THEN CAST(EXTRACT(EPOCH FROM e.available_at - now()) AS double precision)
        END AS wait_seconds,
-       c.last_seq
-FROM depths c
+       s.last_seq
+FROM claimed c
+LEFT JOIN {seqs} s ON s.ordering_key = c.ordering_key
 LEFT JOIN LATERAL (
     SELECT *
     FROM {events} ev
@@ -285,24 +297,33 @@ UPDATE {keys} SET parked_at = NULL, due_at = now()
 WHERE parked_at IS NOT NULL AND ordering_key = ANY(CAST(:ordering_keys AS text[]));
 
 -- name: purge_delivered
--- Retention for delivered events, in bounded batches.
+-- Retention for delivered events, in bounded batches. The outer condition
+-- repeats the inner one: a row changed by another transaction while this one
+-- waited for its lock is checked again against the outer condition only.
 DELETE FROM {events}
 WHERE event_id IN (
     SELECT event_id FROM {events}
     WHERE status = 'delivered'
       AND delivered_at < now() - make_interval(secs => :older_than_seconds)
     LIMIT :batch
-);
+)
+  AND status = 'delivered'
+  AND delivered_at < now() - make_interval(secs => :older_than_seconds);
 
 -- name: purge_discarded
--- Retention for discarded events, in bounded batches.
+-- Retention for discarded events, in bounded batches. The outer condition
+-- repeats the inner one: an event a concurrent requeue made pending while
+-- this statement waited for its row lock is checked again against the outer
+-- condition only, and must not be deleted.
 DELETE FROM {events}
 WHERE event_id IN (
     SELECT event_id FROM {events}
     WHERE status = 'discarded'
       AND created_at < now() - make_interval(secs => :older_than_seconds)
     LIMIT :batch
-);
+)
+  AND status = 'discarded'
+  AND created_at < now() - make_interval(secs => :older_than_seconds);
 
 -- name: oldest_pending_age
 -- Seconds since the oldest pending event was written (NULL when none).

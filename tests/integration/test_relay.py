@@ -30,7 +30,7 @@ from outbox_kafka import Event
 from outbox_kafka.embedded import EmbeddedBroker
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
-from outbox_kafka.queries import queries_for
+from outbox_kafka.queries import pg_int_array, pg_text_array, queries_for
 from outbox_kafka.relay import CycleReport, Relay
 from outbox_kafka.settings import RelaySettings
 from outbox_kafka.store import EventOutcome, KeyOutcome, Store
@@ -340,19 +340,24 @@ def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _explain_claim(engine: sa.Engine, batch_size: int) -> dict[str, Any]:
-    """EXPLAIN ANALYZE the claim statement, then roll its effects back."""
-    sql = queries_for(NAMES).driver_sql("claim")
-    params = {
-        "token": str(uuid.uuid4()),
-        "max_keys": batch_size,
-        "batch_size": batch_size,
-        "lease_seconds": 30.0,
-        "values_as_text": True,
-    }
+    """EXPLAIN ANALYZE the claim's statement that reads events, then roll the claim back."""
+    queries = queries_for(NAMES)
     with engine.connect() as conn:
         dbapi: Any = conn.connection.dbapi_connection
         cur = dbapi.cursor()
         try:
+            cur.execute(
+                queries.driver_sql("claim_keys"),
+                {"token": str(uuid.uuid4()), "max_keys": batch_size, "lease_seconds": 30.0},
+            )
+            leased = cur.fetchall()
+            params = {
+                "key_names": pg_text_array([key for key, _ in leased]),
+                "key_next_seqs": pg_int_array([next_seq for _, next_seq in leased]),
+                "batch_size": batch_size,
+                "values_as_text": True,
+            }
+            sql = queries.driver_sql("claim_events")
             cur.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
             plan: dict[str, Any] = cur.fetchone()[0][0]["Plan"]
         finally:
