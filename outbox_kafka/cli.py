@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace], int]
 #: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
 DEFAULT_METRICS_PORT = 9400
+#: `relay --drain` ended with events still pending (the summary says why).
+EXIT_WORK_LEFT = 3
 DEFAULT_METRICS_HOST = "0.0.0.0"
 
 
@@ -229,14 +231,11 @@ def _run_relay(args: argparse.Namespace, relay: Relay) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if args.drain:
         try:
-            report = relay.drain()
+            result = relay.drain_all(args.drain_timeout)
         finally:
             relay.close()
-        print(
-            f"drained: {report.delivered} delivered, {report.discarded} discarded, "
-            f"{report.retried} to retry, {report.leases_lost} leases lost"
-        )
-        return 0
+        print(result.summary())
+        return 0 if result.complete else EXIT_WORK_LEFT
     relay.run()
     return 0
 
@@ -300,7 +299,20 @@ def _add_relay_parser(
     add_option(
         p, "--purge-interval", type=float, default=300.0, help="seconds between retention runs"
     )
-    add_flag(p, "--drain", help="publish everything due, then exit 0")
+    add_flag(
+        p,
+        "--drain",
+        help="publish everything, waiting for what comes due within --drain-timeout "
+        f"(other relays' leases, retries, delays); exit 0 when nothing is left pending, "
+        f"{EXIT_WORK_LEFT} when something is (the summary says what and why)",
+    )
+    add_option(
+        p,
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="with --drain: the longest wait for work to come due, seconds",
+    )
     add_option(
         p,
         "--sample-interval",
@@ -365,7 +377,10 @@ _CHECK_HELP = (
     "Check what a relay with these settings needs: the settings themselves (the same "
     "validation as relay; every relay flag and variable is accepted), the schemas, the "
     "database, the migrations and the Kafka brokers. One OK/FAIL line each; exit 0 only if "
-    "all pass, 1 otherwise."
+    "all pass, 1 otherwise. With --consistency: the database, the migrations and the "
+    "outbox's invariants (every pending event reachable by the key queue, counters ahead of "
+    "every sequence number, queue rows and leases whole, discards with a reason), with each "
+    "violation listed."
 )
 
 
@@ -493,10 +508,41 @@ def _cmd_purge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check_consistency(args: argparse.Namespace) -> int:
+    from .database import redact_url, url_secrets
+    from .logs import register_secrets
+
+    register_secrets(url_secrets(args.database_url or ""))
+    names = names_from(args)
+    if not args.database_url:
+        raise ConfigurationError("no database URL given (--database-url or OUTBOX_DATABASE_URL)")
+    engine = _operator_engine(args, connect_timeout=args.check_timeout)
+    try:
+        results = list(
+            operations.check_database(engine, names, shown_url=redact_url(args.database_url))
+        )
+        report = None
+        if all(r.ok for r in results):
+            report = operations.check_consistency(engine, names, limit=args.violation_limit)
+    finally:
+        engine.dispose()
+    document: dict[str, Any] = {"checks": [r.as_dict() for r in results]}
+    text = reports.check_text(results)
+    ok = all(r.ok for r in results) and report is not None and report.ok
+    if report is not None:
+        document["consistency"] = report.as_dict()
+        text += "\n" + reports.consistency_text(report)
+    document["ok"] = ok
+    _emit(args, document, text)
+    return 0 if ok else 1
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from .database import redact_url, url_secrets
     from .logs import register_secrets
 
+    if args.consistency:
+        return _cmd_check_consistency(args)
     check = operations.CheckResult
     results: list[operations.CheckResult] = []
     register_secrets(url_secrets(args.database_url or ""))
@@ -628,6 +674,18 @@ def _add_operator_parsers(sub: Any) -> None:
         type=float,
         default=10.0,
         help="seconds to wait for the database and for Kafka metadata",
+    )
+    p.add_argument(
+        "--consistency",
+        action="store_true",
+        help="check the outbox's own invariants instead (database only: no relay settings "
+        "or Kafka needed); lists every violation with its key and event; exit 1 on any",
+    )
+    p.add_argument(
+        "--violation-limit",
+        type=int,
+        default=100,
+        help="with --consistency: violations listed per check",
     )
     _add_output_flags(p)
     p.set_defaults(handler=_cmd_check)

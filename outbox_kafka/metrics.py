@@ -112,6 +112,12 @@ class RelayMetrics:
             "Keys parked after a discard, waiting for an operator (sampled).",
             registry=r,
         )
+        self.consistency_violations = Gauge(
+            "outbox_consistency_violations",
+            "Keys with pending events no relay will reach, and broken key-queue rows; "
+            "0 unless something is wrong (sampled; outbox-kafka check --consistency lists them).",
+            registry=r,
+        )
         self.last_cycle_timestamp_seconds = Gauge(
             "outbox_relay_last_cycle_timestamp_seconds",
             "Unix time at which the relay last completed a cycle; 0 before the first.",
@@ -144,11 +150,14 @@ class RelayMetrics:
 
         self.last_cycle_timestamp_seconds.set_function(unix_time)
 
-    def observe_backlog(self, pending: int, oldest_age_seconds: float | None, parked: int) -> None:
+    def observe_backlog(
+        self, pending: int, oldest_age_seconds: float | None, parked: int, violations: int = 0
+    ) -> None:
         """Record one backlog sample."""
         self.pending_events.set(pending)
         self.oldest_pending_age_seconds.set(oldest_age_seconds or 0.0)
         self.parked_keys.set(parked)
+        self.consistency_violations.set(violations)
 
     def observe_librdkafka_stats(self, payload: str) -> None:
         """The producer's ``stats_cb``: copy a few librdkafka statistics into gauges."""

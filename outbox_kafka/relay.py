@@ -38,7 +38,7 @@ from .publisher import (
 )
 from .sampler import BacklogSampler
 from .settings import RelaySettings, redact_kafka_config
-from .store import Claim, ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome, Store
+from .store import Claim, ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome, Remaining, Store
 
 log = logging.getLogger("outbox_kafka.relay")
 
@@ -66,6 +66,44 @@ class CycleReport:
         the next cycle should then follow at once.
         """
         return self.sent > 0 or self.keys_removed > 0 or self.discarded > 0
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """What :meth:`Relay.drain_all` did, and what it left pending and why."""
+
+    report: CycleReport
+    left: Remaining
+
+    @property
+    def complete(self) -> bool:
+        """Nothing is left pending."""
+        return self.left.pending == 0
+
+    def summary(self) -> str:
+        """One line for people: what was sent, and what is left and why."""
+        r, left = self.report, self.left
+        line = (
+            f"drained: {r.delivered} delivered, {r.discarded} discarded, "
+            f"{r.retried} retried, {r.leases_lost} leases lost"
+        )
+        if self.complete:
+            return line + "; nothing left pending"
+        reasons = [
+            (left.leased, "on keys another relay still holds a lease on"),
+            (left.parked, "on parked keys (outbox-kafka requeue or unpark)"),
+            (left.retrying, "waiting for a retry"),
+            (left.delayed, "delayed (available_at)"),
+            (left.due, "due now (written during the drain)"),
+            (left.unreachable, "unreachable by the key queue (outbox-kafka check --consistency)"),
+        ]
+        why = ", ".join(f"{n} {what}" for n, what in reasons if n)
+        when = (
+            ""
+            if left.next_due_seconds is None
+            else f"; the next key comes due in {max(0.0, left.next_due_seconds):.1f} s"
+        )
+        return f"{line}; left pending: {left.pending} ({why}){when}"
 
 
 class _Claimed(NamedTuple):
@@ -206,6 +244,28 @@ class Relay:
         self._release_prefetched()
         _add(total, self._await_recording())
         return total
+
+    def drain_all(self, timeout: float) -> DrainResult:
+        """Publish until nothing is left that this relay could send within ``timeout`` seconds.
+
+        Unlike :meth:`drain`, waits for what comes due before the deadline:
+        keys leased by another relay (a relay that died holds its keys until
+        its leases end), retries after their backoff, delayed events. Parked
+        keys and unreachable events are left as they are and reported, as is
+        whatever comes due only after the deadline. :meth:`stop` ends the
+        wait.
+        """
+        deadline = time.monotonic() + timeout
+        total = CycleReport()
+        while True:
+            _add(total, self.drain())
+            left = self._with_db_retry(self.store.remaining, stop_on_shutdown=True)
+            if left.pending == 0 or self._stop.is_set() or left.next_due_seconds is None:
+                return DrainResult(total, left)
+            wait = max(0.05, left.next_due_seconds)
+            if time.monotonic() + wait > deadline:
+                return DrainResult(total, left)
+            self._stop.wait(wait)
 
     def close(self) -> None:
         self._release_prefetched()

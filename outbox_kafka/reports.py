@@ -6,7 +6,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from .operations import (
+    CONSISTENCY_CHECKS,
     CheckResult,
+    ConsistencyReport,
     DiscardedEvent,
     OutboxStats,
     ParkedKey,
@@ -191,3 +193,18 @@ def check_text(results: Sequence[CheckResult]) -> str:
     return "\n".join(
         f"{'OK  ' if r.ok else 'FAIL'} {r.name.ljust(width)}  {r.detail}" for r in results
     )
+
+
+def consistency_text(report: ConsistencyReport) -> str:
+    """The consistency check: one OK/FAIL line, then each violation."""
+    if report.ok:
+        checks = ", ".join(CONSISTENCY_CHECKS)
+        return f"OK   consistency  {report.table}: no violations ({checks})"
+    lines = [f"FAIL consistency  {report.table}: {len(report.violations)} violations"]
+    for v in report.violations:
+        event = f" event {v.event_id}" if v.event_id else ""
+        lines.append(f"     {v.check}: key {v.key!r}{event}: {v.detail}")
+    for check, more in sorted(report.truncated.items()):
+        if more:
+            lines.append(f"     {check}: more than listed (raise --violation-limit)")
+    return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""The backlog sampler: pending events, oldest pending age and parked keys, every few seconds.
+"""The backlog sampler: pending events, oldest pending age, parked keys and consistency
+violations, every few seconds.
 
 It runs in a thread and on a database connection of its own, so the claim
 loop never waits for it, and a failed sample (logged, counted in
@@ -19,8 +20,9 @@ log = logging.getLogger("outbox_kafka.sampler")
 
 
 class BacklogSampler:
-    """Sets ``outbox_pending_events``, ``outbox_oldest_pending_age_seconds`` and
-    ``outbox_parked_keys`` every ``settings.sample_interval`` seconds."""
+    """Sets ``outbox_pending_events``, ``outbox_oldest_pending_age_seconds``,
+    ``outbox_parked_keys`` and ``outbox_consistency_violations`` every
+    ``settings.sample_interval`` seconds."""
 
     def __init__(
         self, settings: RelaySettings, metrics: RelayMetrics, *, store: Store | None = None
@@ -44,7 +46,7 @@ class BacklogSampler:
             )
             return None
         self.metrics.observe_backlog(
-            backlog.pending, backlog.oldest_age_seconds, backlog.parked_keys
+            backlog.pending, backlog.oldest_age_seconds, backlog.parked_keys, backlog.violations
         )
         return backlog
 

@@ -104,6 +104,30 @@ class Backlog:
     pending: int
     oldest_age_seconds: float | None
     parked_keys: int
+    #: Keys whose pending events no relay will reach, and broken queue rows
+    #: (see ``consistency_violation_count``); 0 in a consistent outbox.
+    violations: int = 0
+
+
+@dataclass(frozen=True)
+class Remaining:
+    """Pending events, by why they are not being sent right now."""
+
+    pending: int
+    #: On keys a relay holds a lease on.
+    leased: int
+    #: On parked keys.
+    parked: int
+    #: On keys waiting for a retry's backoff.
+    retrying: int
+    #: On keys waiting for a delayed event (``available_at``).
+    delayed: int
+    #: On keys due now.
+    due: int
+    #: Not reachable by the key queue: a consistency violation.
+    unreachable: int
+    #: Seconds until the first key that is not parked comes due; None: none will.
+    next_due_seconds: float | None
 
 
 @dataclass(frozen=True)
@@ -364,10 +388,28 @@ class Store:
                 pending = snapshot.execute(self._q["pending_events_estimate"]).scalar_one()
                 age = snapshot.execute(self._q["oldest_pending_age"]).scalar_one()
                 parked = snapshot.execute(self._q["parked_key_count"]).scalar_one()
+                violations = snapshot.execute(self._q["consistency_violation_count"]).scalar_one()
         return Backlog(
             pending=int(pending),
             oldest_age_seconds=None if age is None else max(0.0, float(age)),
             parked_keys=int(parked),
+            violations=int(violations),
+        )
+
+    def remaining(self) -> Remaining:
+        """What is left pending and why (one statement; reads every pending event)."""
+        with _translated("reading the remaining work"), self._engine.connect() as conn:
+            row = conn.execute(self._q["remaining_work"]).one()
+            conn.rollback()
+        return Remaining(
+            pending=int(row.pending),
+            leased=int(row.leased),
+            parked=int(row.parked),
+            retrying=int(row.retrying),
+            delayed=int(row.delayed),
+            due=int(row.due),
+            unreachable=int(row.unreachable),
+            next_due_seconds=None if row.next_due_seconds is None else float(row.next_due_seconds),
         )
 
     # LISTEN/NOTIFY: a dedicated autocommit connection, outside the pool.

@@ -493,5 +493,143 @@ SELECT (SELECT count(*) FROM {events}
         WHERE status = 'discarded'
           AND created_at < now() - make_interval(secs => :discarded_seconds)) AS discarded;
 
+-- ===========================================================================
+-- Consistency: the invariants the relay and the operator commands rely on
+-- (outbox-kafka check --consistency). Each check returns one row per
+-- violation, (ordering_key, event_id, detail), at most :limit of them, read
+-- in one REPEATABLE READ snapshot.
+-- ===========================================================================
+
+-- name: consistency_unqueued_pending
+-- A pending event whose key has no row in the key queue: no relay will ever
+-- claim it.
+SELECT e.ordering_key, CAST(e.event_id AS text) AS event_id,
+       'pending event seq ' || e.seq || ' and its key has no queue row' AS detail
+FROM {events} e
+WHERE e.status = 'pending'
+  AND NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = e.ordering_key)
+ORDER BY e.ordering_key, e.seq
+LIMIT :limit;
+
+-- name: consistency_passed_pending
+-- A pending event below its key's next_seq: the key moved past it, and the
+-- claim, which reads from next_seq on, will never read it.
+SELECT e.ordering_key, CAST(e.event_id AS text) AS event_id,
+       'pending event seq ' || e.seq || ' is below its key''s next_seq ' || k.next_seq AS detail
+FROM {events} e
+JOIN {keys} k ON k.ordering_key = e.ordering_key
+WHERE e.status = 'pending' AND e.seq < k.next_seq
+ORDER BY e.ordering_key, e.seq
+LIMIT :limit;
+
+-- name: consistency_counter_behind
+-- A pending or discarded event whose sequence number is above its key's
+-- counter (or whose key has no counter): the next enqueue of the key would
+-- hand out a number already taken.
+SELECT e.ordering_key, CAST(e.event_id AS text) AS event_id,
+       'event seq ' || e.seq || ' is above its key''s counter '
+       || COALESCE(CAST(s.last_seq AS text), '(none)') AS detail
+FROM {events} e
+LEFT JOIN {seqs} s ON s.ordering_key = e.ordering_key
+WHERE e.status IN ('pending', 'discarded')
+  AND (s.last_seq IS NULL OR e.seq > s.last_seq)
+ORDER BY e.ordering_key, e.seq
+LIMIT :limit;
+
+-- name: consistency_queue_rows
+-- Queue rows the relay cannot work right: no counter row; next_seq past every
+-- number handed out plus one (the key's next events would be skipped); a
+-- lease half set; a parked key whose next event is pending rather than the
+-- discarded event that parked it.
+SELECT k.ordering_key, CAST(h.event_id AS text) AS event_id,
+       CASE WHEN s.ordering_key IS NULL THEN 'queue row without a counter row'
+            WHEN k.next_seq > s.last_seq + 1
+                 THEN 'next_seq ' || k.next_seq || ' is past the counter ' || s.last_seq || ' + 1'
+            WHEN (k.claim_token IS NULL) <> (k.lease_expires_at IS NULL)
+                 THEN 'claim token and lease expiry are not set together'
+            ELSE 'parked, but its next event (seq ' || k.next_seq || ') is pending'
+       END AS detail
+FROM {keys} k
+LEFT JOIN {seqs} s ON s.ordering_key = k.ordering_key
+LEFT JOIN {events} h
+       ON h.ordering_key = k.ordering_key AND h.seq = k.next_seq AND h.status = 'pending'
+WHERE s.ordering_key IS NULL
+   OR k.next_seq > s.last_seq + 1
+   OR (k.claim_token IS NULL) <> (k.lease_expires_at IS NULL)
+   OR (k.parked_at IS NOT NULL AND h.event_id IS NOT NULL)
+ORDER BY k.ordering_key
+LIMIT :limit;
+
+-- name: consistency_discarded_without_reason
+-- A discarded event must say why.
+SELECT e.ordering_key, CAST(e.event_id AS text) AS event_id,
+       'discarded event seq ' || e.seq || ' has no last_error' AS detail
+FROM {events} e
+WHERE e.status = 'discarded' AND e.last_error IS NULL
+ORDER BY e.ordering_key, e.seq
+LIMIT :limit;
+
+-- name: consistency_violation_count
+-- The relay sampler's cheap count of the checks above that matter most: keys
+-- whose first pending event is unreachable (no queue row, or below next_seq),
+-- plus queue rows without a counter, past it, or with a half-set lease. The
+-- pending keys are found by a skip scan of the claim index (one probe per key
+-- with pending events), so the cost grows with the keys that have work, not
+-- with the events.
+WITH RECURSIVE pending_keys AS (
+    (SELECT ordering_key, seq FROM {events}
+     WHERE status = 'pending'
+     ORDER BY ordering_key, seq
+     LIMIT 1)
+    UNION ALL
+    SELECT n.ordering_key, n.seq
+    FROM pending_keys p
+    CROSS JOIN LATERAL (
+        SELECT ordering_key, seq FROM {events}
+        WHERE status = 'pending' AND ordering_key > p.ordering_key
+        ORDER BY ordering_key, seq
+        LIMIT 1
+    ) n
+)
+SELECT (SELECT count(*)
+        FROM pending_keys p
+        LEFT JOIN {keys} k ON k.ordering_key = p.ordering_key
+        WHERE k.ordering_key IS NULL OR p.seq < k.next_seq)
+     + (SELECT count(*)
+        FROM {keys} k
+        LEFT JOIN {seqs} s ON s.ordering_key = k.ordering_key
+        WHERE s.ordering_key IS NULL
+           OR k.next_seq > s.last_seq + 1
+           OR (k.claim_token IS NULL) <> (k.lease_expires_at IS NULL)) AS violations;
+
+-- name: remaining_work
+-- What is still pending, by why it is not being sent now: its key is leased
+-- by a relay, parked, waiting for a retry (its next event has failed before)
+-- or for a delay, due now, or unreachable (a consistency violation). Also how
+-- many seconds until the first key that is not parked comes due (a lease
+-- ends, a backoff or a delay passes), NULL when none will.
+SELECT count(*) AS pending,
+       count(*) FILTER (WHERE k.ordering_key IS NULL OR e.seq < k.next_seq) AS unreachable,
+       count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NOT NULL) AS parked,
+       count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NULL
+                          AND k.claim_token IS NOT NULL AND k.lease_expires_at > now()) AS leased,
+       count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NULL
+                          AND NOT COALESCE(k.lease_expires_at > now(), false)
+                          AND k.due_at > now() AND h.attempts > 0) AS retrying,
+       count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NULL
+                          AND NOT COALESCE(k.lease_expires_at > now(), false)
+                          AND k.due_at > now() AND COALESCE(h.attempts, 0) = 0) AS delayed,
+       count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NULL
+                          AND NOT COALESCE(k.lease_expires_at > now(), false)
+                          AND k.due_at <= now()) AS due,
+       CAST(EXTRACT(EPOCH FROM min(k.due_at) FILTER (WHERE e.seq >= k.next_seq
+                                                       AND k.parked_at IS NULL) - now())
+            AS double precision) AS next_due_seconds
+FROM {events} e
+LEFT JOIN {keys} k ON k.ordering_key = e.ordering_key
+LEFT JOIN {events} h
+       ON h.ordering_key = k.ordering_key AND h.seq = k.next_seq AND h.status = 'pending'
+WHERE e.status = 'pending';
+
 -- name: server_version
 SELECT current_setting('server_version') AS version;

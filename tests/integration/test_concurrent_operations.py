@@ -18,9 +18,18 @@ import sqlalchemy as sa
 from outbox_kafka import Event
 from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
-from outbox_kafka.operations import Selection, purge, requeue
+from outbox_kafka.operations import Selection, check_consistency, purge, requeue
+from outbox_kafka.relay import Relay
 from outbox_kafka.store import Store
-from tests.relay_support import enqueue_bulk, rows, scalar, topic_outbox
+from tests.relay_support import (
+    consume_all,
+    enqueue_bulk,
+    make_settings,
+    per_key_order,
+    rows,
+    scalar,
+    topic_outbox,
+)
 
 KEY = "k-race"
 #: The advisory lock the claim's hooked now() waits for.
@@ -205,3 +214,135 @@ def test_purge_leaves_an_event_that_a_requeue_made_pending_while_purge_waited(
         ("pending", 1)
     ]
     assert scalar(engine, "SELECT next_seq FROM outbox_keys WHERE ordering_key = :k", k=KEY) == 1
+
+
+# --------------------------------------------------------------------------- consistency
+
+
+def _mixed_outbox(engine: sa.Engine, topic: str) -> dict[str, list[str]]:
+    """Three keys with three pending events each; returns their ids by key."""
+    events = [
+        Event(type="t.e", key=key, data={"n": n}, topic=topic)
+        for n in range(3)
+        for key in ("a", "b", "c")
+    ]
+    ids = enqueue_bulk(engine, topic_outbox(), events)
+    by_key: dict[str, list[str]] = {}
+    for event, event_id in zip(events, ids, strict=True):
+        by_key.setdefault(event.key, []).append(event_id)
+    return by_key
+
+
+def _violations(engine: sa.Engine) -> set[tuple[str, str, str | None]]:
+    return {(v.check, v.key, v.event_id) for v in check_consistency(engine).violations}
+
+
+def test_the_consistency_check_finds_nothing_in_an_outbox_left_by_writers_and_relays(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=2)
+    _mixed_outbox(engine, topic)
+    assert check_consistency(engine).ok
+    relay = Relay(make_settings(database_url, kafka_bootstrap))
+    try:
+        relay.cycle()  # part of it sent, the rest pending, keys leased and released
+        assert check_consistency(engine).ok
+        relay.drain()
+    finally:
+        relay.close()
+    report = check_consistency(engine)
+    assert report.ok, report.violations
+    assert report.as_dict()["ok"] is True
+
+
+def test_the_consistency_check_names_each_doctored_key_and_event(
+    engine: sa.Engine, database_url: str, new_topic: Callable[..., str]
+) -> None:
+    ids = _mixed_outbox(engine, new_topic(partitions=1))
+    with engine.begin() as conn:
+        # a: its queue row is gone; b: next_seq moved past two pending events.
+        conn.execute(sa.text("DELETE FROM outbox_keys WHERE ordering_key = 'a'"))
+        conn.execute(sa.text("UPDATE outbox_keys SET next_seq = 3 WHERE ordering_key = 'b'"))
+        # c: a lease half set, a counter behind its events, a discard without reason.
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_keys SET claim_token = gen_random_uuid() WHERE ordering_key = 'c'"
+            )
+        )
+        conn.execute(sa.text("UPDATE outbox_key_seq SET last_seq = 2 WHERE ordering_key = 'c'"))
+        conn.execute(
+            sa.text("UPDATE outbox SET status = 'discarded' WHERE event_id = :id"),
+            {"id": ids["c"][0]},
+        )
+
+    assert _violations(engine) == {
+        *(("unqueued_pending", "a", event_id) for event_id in ids["a"]),
+        *(("passed_pending", "b", event_id) for event_id in ids["b"][:2]),
+        ("counter_behind", "c", ids["c"][2]),
+        ("queue_rows", "c", None),
+        ("discarded_without_reason", "c", ids["c"][0]),
+    }
+    details = {v.check: v.detail for v in check_consistency(engine).violations}
+    assert "next_seq 3" in details["passed_pending"]
+    assert "claim token and lease expiry" in details["queue_rows"]
+    # The relay's sampler counts what it can find cheaply: keys a and b, and c's queue row.
+    store = Store(database_url, TableNames())
+    try:
+        assert store.backlog(timeout=10).violations == 3
+    finally:
+        store.close()
+
+    limited = check_consistency(engine, limit=1)
+    assert limited.truncated["unqueued_pending"] is True
+    assert len([v for v in limited.violations if v.check == "unqueued_pending"]) == 1
+
+
+# --------------------------------------------------------------------------- drain
+
+
+def test_drain_all_waits_for_the_leases_of_a_relay_that_died_and_then_sends_their_events(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(partitions=2)
+    ids = _mixed_outbox(engine, topic)
+    dead = Store(database_url, TableNames())
+    try:
+        held = dead.claim(batch_size=100, lease_seconds=2.0, max_keys=2)  # never recorded
+    finally:
+        dead.close()
+    assert len(held.keys) == 2
+
+    relay = Relay(make_settings(database_url, kafka_bootstrap))
+    try:
+        short = relay.drain_all(timeout=0.5)
+        assert not short.complete
+        assert (short.left.pending, short.left.leased) == (6, 6)
+        assert "6 on keys another relay still holds a lease on" in short.summary()
+        result = relay.drain_all(timeout=30.0)
+    finally:
+        relay.close()
+
+    assert result.complete, result.summary()
+    assert result.summary().endswith("nothing left pending")
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE status <> 'delivered'") == 0
+    records = consume_all(kafka_bootstrap, topic, 9)
+    assert per_key_order(records) == ids
+
+
+def test_drain_all_reports_parked_keys_without_waiting_for_them(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    ids = _mixed_outbox(engine, new_topic(partitions=1))
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE outbox SET value = 'not json'::bytea WHERE event_id = :id"),
+            {"id": ids["a"][0]},
+        )
+    relay = Relay(make_settings(database_url, kafka_bootstrap, on_exhausted="park"))
+    try:
+        result = relay.drain_all(timeout=30.0)
+    finally:
+        relay.close()
+    assert not result.complete
+    assert (result.left.pending, result.left.parked, result.left.next_due_seconds) == (2, 2, None)
+    assert "2 on parked keys" in result.summary()
