@@ -47,6 +47,13 @@ class RelayMetrics:
             ["topic", "reason"],
             registry=r,
         )
+        self.order_violations = Counter(
+            "outbox_order_violations",
+            "Events Kafka took while an earlier event of their key, in the same batch, "
+            "failed (a broker rejected one record batch and took a later one).",
+            ["topic"],
+            registry=r,
+        )
         self.leases_lost = Counter(
             "outbox_leases_lost",
             "Keys whose lease another relay took over while this relay was sending.",

@@ -481,7 +481,11 @@ class Relay:
         for ck in claim.keys:
             due: list[ClaimedEvent] = []
             for event in ck.events:
-                if not event.due:
+                # One topic per key per batch: Kafka orders messages within a
+                # partition only, so an event for another topic could land while
+                # an earlier one of its key is still unacknowledged and then fails.
+                # It goes in the next batch, once everything before it is recorded.
+                if not event.due or event.topic != ck.events[0].topic:
                     break
                 due.append(event)
             if not due:
@@ -579,6 +583,9 @@ class Relay:
         delay = 0.0
         parked = False
         blocked = False
+        #: An earlier event of the key in this batch that did not reach Kafka and
+        #: still should before anything after it (retry, unsent, parked).
+        held_back: ClaimedEvent | None = None
         for event in due:
             problem = precheck.get(id(event))
             delivery = deliveries.get(id(event))
@@ -593,6 +600,8 @@ class Relay:
 
             if verdict == DELIVERED:
                 assert delivery is not None
+                if held_back is not None:
+                    self._order_violated(held_back, event)
                 out.append(
                     EventOutcome(
                         event.event_id,
@@ -612,6 +621,7 @@ class Relay:
             if verdict in ("unsent", "unreported"):
                 # Not handed over, or still inside the producer: leave it pending and
                 # keep the key off limits for a lease period so no copy overtakes it.
+                held_back = held_back or event
                 blocked = True
                 next_seq = event.seq
                 delay = settings.lease_seconds if verdict == "unreported" else 0.0
@@ -623,6 +633,7 @@ class Relay:
                 log.warning(
                     "send failed, will retry", extra=_fields(event, "retry", attempt, error)
                 )
+                held_back = held_back or event
                 blocked, next_seq = True, event.seq
                 delay = self._retry_later(event, attempt, error, out)
                 continue
@@ -630,6 +641,7 @@ class Relay:
             copy_verdict, copy_error = self._dead_letter(event, reason or "unknown error")
             if copy_verdict == RETRIABLE:
                 # The dead-letter copy did not make it yet: keep the event, retry later.
+                held_back = held_back or event
                 blocked, next_seq = True, event.seq
                 delay = self._retry_later(event, attempt, copy_error, out)
                 continue
@@ -645,6 +657,7 @@ class Relay:
                 "event discarded", extra=_fields(event, "discard", attempt, reason, parked=park)
             )
             if park:
+                held_back = held_back or event
                 blocked = True
                 parked = True
                 next_seq = event.seq
@@ -655,6 +668,26 @@ class Relay:
         )
         exhausted_key = drained and not blocked and not parked
         return KeyOutcome(ck.key, next_seq, delay, parked, exhausted_key)
+
+    def _order_violated(self, earlier: ClaimedEvent, later: ClaimedEvent) -> None:
+        """Count and log a later event of a key that Kafka took while an earlier one failed.
+
+        The relay sends one topic per key per batch and relies on the idempotent
+        producer's per-partition order, so this needs a broker that rejected one
+        record batch (a check the relay could not make: a broker-side size limit
+        below the relay's, broker-side validation) and took a later one.
+        """
+        self.metrics.order_violations.labels(topic=later.topic).inc()
+        log.error(
+            "a later event of a key reached Kafka while an earlier one did not",
+            extra={
+                "action": "order_violation",
+                "key": later.key,
+                "event_id": later.event_id,
+                "earlier_event_id": earlier.event_id,
+                "topic": later.topic,
+            },
+        )
 
     def _retry_later(
         self, event: ClaimedEvent, attempt: int, error: str | None, out: list[EventOutcome]

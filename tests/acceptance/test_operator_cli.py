@@ -31,6 +31,7 @@ from tests.relay_support import (
     per_key_order,
     rows,
     scalar,
+    seq_events,
     topic_outbox,
 )
 from tests.support import libpq_url
@@ -423,6 +424,29 @@ def test_check_passes_on_a_good_set_up(url: str, kafka_bootstrap: str) -> None:
     assert "version 1 (current)" in lines["migrations"][1]
     assert kafka_bootstrap in lines["kafka"][1]
     assert SECRET not in text and "***" in lines["database"][1]
+
+
+def test_check_consistency_passes_then_fails_on_a_doctored_table(
+    url: str, engine: sa.Engine, new_topic: Callable[..., str]
+) -> None:
+    ids = enqueue_bulk(engine, topic_outbox(), seq_events(new_topic(1), ["a", "b"], 4))
+    code, lines, text = _check("--consistency", OUTBOX_DATABASE_URL=url)
+    assert code == 0, text
+    assert list(lines) == ["database", "migrations"]
+    assert "OK   consistency" in text and "no violations" in text
+
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_keys WHERE ordering_key = 'a'"))
+    result = run_cli("check", "--consistency", OUTBOX_DATABASE_URL=url)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL consistency" in result.stdout and "2 violations" in result.stdout
+    for event_id in (ids[0], ids[2]):  # key a's two events
+        assert f"unqueued_pending: key 'a' event {event_id}" in result.stdout
+    doc = json.loads(run_cli("check", "--consistency", "--json", OUTBOX_DATABASE_URL=url).stdout)
+    assert doc["ok"] is False
+    assert {(v["check"], v["key"]) for v in doc["consistency"]["violations"]} == {
+        ("unqueued_pending", "a")
+    }
 
 
 def test_check_fails_on_an_unmigrated_database(

@@ -12,7 +12,9 @@ import pytest
 import sqlalchemy as sa
 
 from outbox_kafka import ConfigurationError
+from outbox_kafka.naming import TableNames
 from outbox_kafka.settings import RelaySettings
+from outbox_kafka.store import Store
 from tests.relay_support import (
     consume_all,
     enqueue_bulk,
@@ -181,6 +183,42 @@ def test_drain_through_the_cli_publishes_everything_and_exits_zero(
     for event, event_id in zip(events, ids, strict=True):
         expected.setdefault(event.key, []).append(event_id)
     assert per_key_order(records) == expected
+
+
+def test_drain_waits_for_the_leases_of_a_killed_relay_and_says_what_is_left(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """Found: after a relay was killed, --drain exited 0 at once with the dead relay's
+    keys still leased and their events pending."""
+    topic = new_topic(2)
+    ids = enqueue_bulk(engine, topic_outbox(), seq_events(topic, [f"k{i}" for i in range(6)], 60))
+    env = {"OUTBOX_DATABASE_URL": database_url, "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap}
+    timing = ["--lease-seconds", "5", "--delivery-timeout-ms", "3000"]
+
+    dead = Store(database_url, TableNames())  # a relay killed between claim and record
+    try:
+        held = dead.claim(batch_size=30, lease_seconds=20.0, max_keys=3)
+    finally:
+        dead.close()
+    assert len(held.keys) == 3
+
+    short = run_cli("relay", "--drain", "--drain-timeout", "1", *timing, env=env)
+    assert short.returncode == 3, short.stdout + short.stderr
+    assert "left pending: 30 (30 on keys another relay still holds a lease on)" in short.stdout
+
+    with engine.begin() as conn:  # the dead relay's leases end
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_keys SET lease_expires_at = now() + interval '2 s', "
+                "due_at = now() + interval '2 s' WHERE claim_token IS NOT NULL"
+            )
+        )
+    result = run_cli("relay", "--drain", "--drain-timeout", "30", *timing, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "drained: 30 delivered" in result.stdout and "nothing left pending" in result.stdout
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE status <> 'delivered'") == 0
+    records = consume_all(kafka_bootstrap, topic, 60)
+    assert sorted(r.ce_id for r in records) == sorted(ids)
 
 
 def test_drain_with_a_dead_letter_topic_flag_copies_the_discarded_event(

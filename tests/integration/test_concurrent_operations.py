@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -19,7 +19,9 @@ from outbox_kafka import Event
 from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge, requeue
+from outbox_kafka.publisher import DELIVERED, RETRIABLE, Delivery, Message, Publisher
 from outbox_kafka.relay import Relay
+from outbox_kafka.settings import RelaySettings
 from outbox_kafka.store import Store
 from tests.relay_support import (
     consume_all,
@@ -346,3 +348,103 @@ def test_drain_all_reports_parked_keys_without_waiting_for_them(
     assert not result.complete
     assert (result.left.pending, result.left.parked, result.left.next_due_seconds) == (2, 2, None)
     assert "2 on parked keys" in result.summary()
+
+
+# --------------------------------------------------------------------------- one key, two topics
+
+
+class _BrokerRejectsOnce(Publisher):
+    """The real publisher, except that the first send of each id in ``reject`` fails as a
+    broker's rejection of its record batch would (the rest of the call goes through).
+
+    Records every call: which event ids were handed over together, and which arrived.
+    """
+
+    def __init__(self, settings: RelaySettings, reject: set[str]) -> None:
+        super().__init__(settings.producer_config(), settings.admin_config())
+        self.reject = set(reject)
+        self.calls: list[tuple[list[str], set[str]]] = []
+
+    def send(
+        self,
+        messages: Sequence[Message],
+        *,
+        timeout: float,
+        abort: Callable[[], bool] | None = None,
+    ) -> list[Delivery]:
+        ids = [dict(m.headers)["ce_id"].decode() for m in messages]
+        rejected = {i for i in ids if i in self.reject}
+        self.reject -= rejected
+        passed = [m for m, i in zip(messages, ids, strict=True) if i not in rejected]
+        real = iter(super().send(passed, timeout=timeout, abort=abort))
+        refused = Delivery(RETRIABLE, error="MSG_SIZE_TOO_LARGE: rejected by the broker")
+        refused.sent = refused.reported = True
+        deliveries = [refused if i in rejected else next(real) for i in ids]
+        self.calls.append(
+            (ids, {i for i, d in zip(ids, deliveries, strict=True) if d.verdict == DELIVERED})
+        )
+        return deliveries
+
+
+def test_a_later_event_of_a_key_waits_while_an_earlier_one_for_another_topic_is_unacknowledged(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """Found: a key's events for two topics went out in one batch; when the broker
+    rejected the first, the second was recorded delivered while the first retried."""
+    first_topic, second_topic = new_topic(partitions=1), new_topic(partitions=1)
+    events = [
+        Event(type="t.e", key=KEY, data={"n": 0}, topic=first_topic),
+        Event(type="t.e", key=KEY, data={"n": 1}, topic=second_topic),
+        Event(type="t.e", key=KEY, data={"n": 2}, topic=first_topic),
+    ]
+    ids = enqueue_bulk(engine, topic_outbox(), events)
+    settings = make_settings(database_url, kafka_bootstrap)
+    publisher = _BrokerRejectsOnce(settings, reject={ids[0]})
+    relay = Relay(settings, publisher=publisher)
+    try:
+        for _ in range(40):  # cycles, with the first event's backoff between them
+            relay.drain()
+            if scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'pending'") == 0:
+                break
+            threading.Event().wait(0.05)
+        violations = relay.metrics.registry.get_sample_value("outbox_order_violations_total")
+    finally:
+        relay.close()
+
+    arrived_in: dict[str, int] = {}
+    for n, (handed_over, arrived) in enumerate(publisher.calls):
+        for event_id in handed_over:
+            earlier = ids[: ids.index(event_id)]
+            missing = [e for e in earlier if arrived_in.get(e) is None]
+            assert not missing, (
+                f"event {ids.index(event_id)} was handed over in call {n} "
+                f"before events {[ids.index(e) for e in missing]} of its key had arrived: "
+                f"{publisher.calls}"
+            )
+        for event_id in arrived:
+            arrived_in.setdefault(event_id, n)
+    assert set(arrived_in) == set(ids)
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'delivered'") == 3
+    assert not violations
+    assert [r.ce_id for r in consume_all(kafka_bootstrap, first_topic, 2)] == [ids[0], ids[2]]
+
+
+def test_a_later_event_taken_while_an_earlier_one_of_its_partition_was_rejected_is_counted(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """The case the relay cannot prevent while it keeps a key's batch in flight: a broker
+    that rejects one record batch and takes the next on the same partition. It is
+    counted and logged, so an operator sees it."""
+    topic = new_topic(partitions=1)
+    events = [Event(type="t.e", key=KEY, data={"n": n}, topic=topic) for n in range(2)]
+    ids = enqueue_bulk(engine, topic_outbox(), events)
+    settings = make_settings(database_url, kafka_bootstrap)
+    relay = Relay(settings, publisher=_BrokerRejectsOnce(settings, reject={ids[0]}))
+    try:
+        relay.cycle()
+        violations = relay.metrics.registry.get_sample_value(
+            "outbox_order_violations_total", {"topic": topic}
+        )
+    finally:
+        relay.close()
+    assert violations == 1
