@@ -282,6 +282,33 @@ class ReadinessWatch:
         """A position in :attr:`seen`, to look at what came after it."""
         return len(self.seen)
 
+    def wait_for(
+        self, status: int, timeout: float, explain: Callable[[], str] | None = None
+    ) -> int:
+        """Wait until the latest answer *this watch* saw is ``status``; its :meth:`mark`.
+
+        Wait on the watch, not on a probe of one's own: an answer the test saw
+        may not be in :attr:`seen` yet, and readiness answers are cached, so
+        two clients can disagree for a moment.
+        """
+        found: list[int] = []
+
+        def latest_is() -> bool:
+            position = len(self.seen)
+            if position and self.seen[position - 1] == status:
+                found.append(position)
+                return True
+            return False
+
+        wait_until(
+            latest_is,
+            timeout,
+            interval=0.05,
+            what=f"/readyz {status} (the watch saw {self.seen})",
+            explain=explain,
+        )
+        return found[-1]
+
     def since(self, position: int) -> list[int]:
         return self.seen[max(0, position - 1) :]
 
