@@ -445,6 +445,8 @@ def requeue(
         taken: list[str] = []
         blocked: list[str] = []
         if keys:
+            # Lock first, then read: see lock_keys in queries.sql.
+            conn.execute(q["lock_keys"], {"ordering_keys": pg_array(keys)})
             states = conn.execute(q["requeue_key_states"], {"ordering_keys": pg_array(keys)})
             for state in states:
                 if state.leased:
@@ -504,9 +506,18 @@ def unpark(
     selection.require("parked keys")
     q = queries_for(names or TableNames())
     with _database("unparking keys"), engine.connect() as conn, conn.begin() as tx:
-        parked = [
-            ParkedKey.from_row(r) for r in conn.execute(q["unpark_candidates"], selection.params())
-        ]
+        # Lock first, then read (see lock_keys in queries.sql); only the keys locked.
+        params = selection.params()
+        maybe = list(
+            conn.execute(
+                q["parked_keys_to_lock"], {"ordering_keys": params["ordering_keys"]}
+            ).scalars()
+        )
+        parked: list[ParkedKey] = []
+        if maybe:
+            locked = {**params, "ordering_keys": pg_array(maybe)}
+            conn.execute(q["lock_keys"], locked)
+            parked = [ParkedKey.from_row(r) for r in conn.execute(q["unpark_candidates"], locked)]
         if dry_run or not parked:
             tx.rollback()
         else:

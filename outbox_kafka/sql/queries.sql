@@ -448,10 +448,20 @@ WHERE e.status = 'discarded'
 ORDER BY e.ordering_key, e.seq
 FOR UPDATE OF e;
 
+-- name: lock_keys
+-- Locks the queue rows of these keys, in key order, until the transaction
+-- ends: no relay can claim, park or release them meanwhile. A statement that
+-- locks rows reads the other tables from the snapshot it began with, older
+-- than a row it waited for or found changed; what a key's events look like
+-- is read by the next statement, after the lock.
+SELECT ordering_key FROM {keys}
+WHERE ordering_key = ANY(CAST(:ordering_keys AS text[]))
+ORDER BY ordering_key
+FOR UPDATE;
+
 -- name: requeue_key_states
--- The queue rows of the keys about to be requeued, locked in key order, each
+-- The queue rows of the keys about to be requeued (locked by lock_keys), each
 -- parked one with the discarded event that parked it (the one at next_seq).
--- Once locked, no relay can park or release these keys until the requeue ends.
 SELECT k.ordering_key, k.next_seq, k.parked_at,
        k.claim_token IS NOT NULL AND k.lease_expires_at > now() AS leased,
        CAST(e.event_id AS text) AS parked_by
@@ -460,12 +470,19 @@ LEFT JOIN {events} e
        ON k.parked_at IS NOT NULL
       AND e.ordering_key = k.ordering_key AND e.seq = k.next_seq AND e.status = 'discarded'
 WHERE k.ordering_key = ANY(CAST(:ordering_keys AS text[]))
-ORDER BY k.ordering_key
-FOR UPDATE OF k;
+ORDER BY k.ordering_key;
+
+-- name: parked_keys_to_lock
+-- The parked keys an unpark may apply to (by key, when keys are selected),
+-- for lock_keys; unpark_candidates then reads them after the lock.
+SELECT ordering_key FROM {keys}
+WHERE parked_at IS NOT NULL
+  AND (CAST(:ordering_keys AS text[]) IS NULL
+       OR ordering_key = ANY(CAST(:ordering_keys AS text[])));
 
 -- name: unpark_candidates
--- The parked keys an operator selected, locked, each with the discarded event
--- that parked it; event selectors match that event.
+-- The parked keys an operator selected (locked by lock_keys), each with the
+-- discarded event that parked it; event selectors match that event.
 SELECT k.ordering_key, k.next_seq, k.parked_at,
        CAST(e.event_id AS text) AS event_id, e.topic, e.type, e.attempts, e.last_error,
        e.created_at
@@ -480,8 +497,7 @@ WHERE k.parked_at IS NOT NULL
   AND (CAST(:topics AS text[]) IS NULL OR e.topic = ANY(CAST(:topics AS text[])))
   AND (CAST(:since AS timestamptz) IS NULL OR e.created_at >= CAST(:since AS timestamptz))
   AND (CAST(:until AS timestamptz) IS NULL OR e.created_at < CAST(:until AS timestamptz))
-ORDER BY k.ordering_key
-FOR UPDATE OF k;
+ORDER BY k.ordering_key;
 
 -- name: purge_counts
 -- What purge_delivered and purge_discarded would remove now (same predicates,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from outbox_kafka.operations import Selection, check_consistency, purge, requeue
 from outbox_kafka.publisher import DELIVERED, RETRIABLE, Delivery, Message, Publisher
 from outbox_kafka.relay import Relay
 from outbox_kafka.settings import RelaySettings
-from outbox_kafka.store import Store
+from outbox_kafka.store import EventOutcome, KeyOutcome, Store
 from tests.relay_support import (
     consume_all,
     enqueue_bulk,
@@ -126,8 +127,8 @@ class _InThread:
 
 
 @pytest.fixture
-def hooked_store(engine: sa.Engine, database_url: str) -> Iterator[Store]:
-    """A relay store whose statements' now() first waits for advisory lock HOOK_LOCK.
+def hooked_engine(engine: sa.Engine, database_url: str) -> Iterator[sa.Engine]:
+    """An engine whose statements' now() first waits for advisory lock HOOK_LOCK.
 
     A schema ahead of pg_catalog in the search path shadows now(); the hook
     runs while the statement executes, after its snapshot was taken, so a
@@ -148,7 +149,14 @@ def hooked_store(engine: sa.Engine, database_url: str) -> Iterator[Store]:
         database_url,
         connect_args={"options": f"-c search_path={HOOK_SCHEMA},pg_catalog,public"},
     )
-    store = Store(database_url, TableNames(), engine=hooked)
+    yield hooked
+    hooked.dispose()
+
+
+@pytest.fixture
+def hooked_store(database_url: str, hooked_engine: sa.Engine) -> Iterator[Store]:
+    """A relay store on :func:`hooked_engine`."""
+    store = Store(database_url, TableNames(), engine=hooked_engine)
     yield store
     store.close()
 
@@ -172,7 +180,7 @@ def test_a_requeue_committed_while_a_claim_runs_is_claimed_with_its_key(
         # The requeue begins first (its now() is older than the claim's) and waits
         # for the key row; the claim then takes its snapshot and waits in now().
         requeued = _InThread(lambda: requeue(engine, Selection(event_ids=(first,))))
-        _wait_for_waiters(engine, "%FOR UPDATE OF k%")
+        _wait_for_waiters(engine, "%ORDER BY ordering_key\nFOR UPDATE%")
         claiming = _InThread(
             lambda: hooked_store.claim(batch_size=100, lease_seconds=30.0, max_keys=10)
         )
@@ -185,6 +193,54 @@ def test_a_requeue_committed_while_a_claim_runs_is_claimed_with_its_key(
     [key] = claim.keys
     assert key.next_seq == 1
     assert [e.event_id for e in key.events] == [first, second, third]
+
+
+def test_a_requeue_racing_a_relay_that_parks_the_key_never_skips_the_parking_event(
+    engine: sa.Engine, database_url: str, hooked_engine: sa.Engine, new_topic: Callable[..., str]
+) -> None:
+    """Found in review: the requeue locked the key's newest row (parked by a relay
+    meanwhile) but read the event that parked it from its older snapshot, found
+    none, and unparked the key without it: the parking event was skipped."""
+    first, second, _ = _events(engine, new_topic(partitions=1), 3)
+    _discard_first(engine, first)
+    token = uuid.uuid4()
+    with engine.begin() as conn:  # a relay holds the key, sending the second event
+        conn.execute(
+            sa.text(
+                "UPDATE outbox_keys SET claim_token = :t, "
+                "lease_expires_at = now() + interval '30 s'"
+            ),
+            {"t": str(token)},
+        )
+    relay = Store(database_url, TableNames())
+    try:
+        with _held(engine, "SELECT pg_advisory_xact_lock(:id)", id=HOOK_LOCK) as release_hook:
+            # The requeue of the first event reads the key's state and waits in now().
+            requeued = _InThread(lambda: requeue(hooked_engine, Selection(event_ids=(first,))))
+            _wait_for_waiters(engine, "%parked_by%")
+            # Meanwhile the relay records its batch: the second event discarded, the
+            # key parked on it (fenced by its claim token, as always).
+            parked = _InThread(
+                lambda: relay.finish(
+                    token,
+                    [KeyOutcome(KEY, 2, 0.0, True, False)],
+                    [EventOutcome(second, KEY, "discarded", 1, 0.0, None, None, "test")],
+                )
+            )
+            threading.Event().wait(0.5)  # the record commits, or waits for the requeue's lock
+            release_hook()
+            result = requeued.result()
+            recorded = parked.result()
+    finally:
+        relay.close()
+
+    # The requeue took the key from the relay before it parked it: the relay's
+    # record is fenced off, and both events go out again in order.
+    assert (result.count, result.taken_keys, recorded.keys_owned) == (1, [KEY], 0)
+    statuses = rows(engine, "SELECT seq, status FROM outbox ORDER BY seq")
+    assert statuses == [(1, "pending"), (2, "pending"), (3, "pending")]
+    assert rows(engine, "SELECT next_seq, parked_at FROM outbox_keys") == [(1, None)]
+    assert check_consistency(engine).ok
 
 
 def test_purge_leaves_an_event_that_a_requeue_made_pending_while_purge_waited(
@@ -201,7 +257,7 @@ def test_purge_leaves_an_event_that_a_requeue_made_pending_while_purge_waited(
     ) as release_key:
         # The requeue locks the event, then waits for the key row.
         requeued = _InThread(lambda: requeue(engine, Selection(event_ids=(first,))))
-        _wait_for_waiters(engine, "%FOR UPDATE OF k%")
+        _wait_for_waiters(engine, "%ORDER BY ordering_key\nFOR UPDATE%")
         # The purge selects the event as discarded and waits for the requeue's lock.
         purged = _InThread(
             lambda: purge(engine, retain_delivered_seconds=0, retain_discarded_seconds=0)
