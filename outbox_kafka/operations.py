@@ -446,6 +446,7 @@ def requeue(
         blocked: list[str] = []
         if keys:
             # Lock first, then read: see lock_keys in queries.sql.
+            conn.execute(q["requeue_queue_rows"], {"event_ids": pg_array(sorted(chosen))})
             conn.execute(q["lock_keys"], {"ordering_keys": pg_array(keys)})
             states = conn.execute(q["requeue_key_states"], {"ordering_keys": pg_array(keys)})
             for state in states:

@@ -140,6 +140,22 @@ def _worth_reading_ahead(claim: Claim, asked: int, batch_size: int) -> bool:
     return claim.event_count * 2 >= batch_size or len(claim.keys) >= asked
 
 
+def _sendable(ck: ClaimedKey) -> list[ClaimedEvent]:
+    """The key's claimed events that may go out in this batch: the due ones, in order,
+    up to the first for another topic than the first's.
+
+    Kafka orders messages within a partition only, so an event for another topic
+    could land while an earlier one of its key is still unacknowledged and then
+    fails. It goes in a later batch, once everything before it is recorded.
+    """
+    run: list[ClaimedEvent] = []
+    for event in ck.events:
+        if not event.due or event.topic != ck.events[0].topic:
+            break
+        run.append(event)
+    return run
+
+
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
     """Exponential backoff with jitter: uniform in [d/2, d], d = min(cap, base * 2**(attempt-1))."""
     ceiling: float = min(cap, base * 2.0 ** max(0, min(attempt - 1, 62)))
@@ -390,9 +406,7 @@ class Relay:
         problems: dict[int, tuple[str, str]] = {}
         for ck in claim.keys:
             key = ck.key.encode()
-            for event in ck.events:
-                if not event.due:
-                    break
+            for event in _sendable(ck):
                 problem = self._check_event(event, key)
                 if problem is not None:
                     problems[id(event)] = problem
@@ -451,12 +465,14 @@ class Relay:
         batch = self.settings.batch_size
         if not claim.keys:
             return
-        # Keys that got their whole share of the batch and had more waiting.
+        # What each key can send now: a key whose events switch topics sends
+        # only its first run, however many events it brought.
+        runs = [len(_sendable(k)) for k in claim.keys]
+        # Keys that can send their whole share of the batch and had more waiting.
         full = sum(
             1
-            for k in claim.keys
-            if len(k.events) >= claim.per_key_limit
-            and (k.last_seq is None or k.waiting > len(k.events))
+            for k, run in zip(claim.keys, runs, strict=True)
+            if run >= claim.per_key_limit and (k.last_seq is None or k.waiting > len(k.events))
         )
         floor = max(1, batch // 64)
         if full * 2 > len(claim.keys) > floor:
@@ -465,7 +481,7 @@ class Relay:
             # keys for a full batch at the typical key's backlog, at most half.
             waiting = sorted(k.waiting for k in claim.keys)[len(claim.keys) // 2]
             self._keys_per_claim = max(floor, min(len(claim.keys) // 2, batch // waiting))
-        elif claim.event_count * 4 < batch * 3 and len(claim.keys) >= asked and asked < batch:
+        elif sum(runs) * 4 < batch * 3 and len(claim.keys) >= asked and asked < batch:
             self._keys_per_claim = min(batch, asked * 2)
 
     def _publish(
@@ -479,15 +495,7 @@ class Relay:
         precheck: dict[int, tuple[str, str]] = {}
 
         for ck in claim.keys:
-            due: list[ClaimedEvent] = []
-            for event in ck.events:
-                # One topic per key per batch: Kafka orders messages within a
-                # partition only, so an event for another topic could land while
-                # an earlier one of its key is still unacknowledged and then fails.
-                # It goes in the next batch, once everything before it is recorded.
-                if not event.due or event.topic != ck.events[0].topic:
-                    break
-                due.append(event)
+            due = _sendable(ck)
             if not due:
                 # Nothing to send now: the key is empty, or its next event is not due yet.
                 if ck.events:

@@ -297,30 +297,34 @@ UPDATE {keys} SET parked_at = NULL, due_at = now()
 WHERE parked_at IS NOT NULL AND ordering_key = ANY(CAST(:ordering_keys AS text[]));
 
 -- name: purge_delivered
--- Retention for delivered events, in bounded batches. The outer condition
--- repeats the inner one: a row changed by another transaction while this one
--- waited for its lock is checked again against the outer condition only.
+-- Retention for delivered events, in bounded batches. Rows another
+-- transaction holds are skipped (the next run takes them), so retention never
+-- waits for, or deadlocks with, an operator's requeue. The outer condition
+-- repeats the inner one: a row changed by a transaction that committed after
+-- this statement began is checked again against the outer condition.
 DELETE FROM {events}
 WHERE event_id IN (
     SELECT event_id FROM {events}
     WHERE status = 'delivered'
       AND delivered_at < now() - make_interval(secs => :older_than_seconds)
     LIMIT :batch
+    FOR UPDATE SKIP LOCKED
 )
   AND status = 'delivered'
   AND delivered_at < now() - make_interval(secs => :older_than_seconds);
 
 -- name: purge_discarded
--- Retention for discarded events, in bounded batches. The outer condition
--- repeats the inner one: an event a concurrent requeue made pending while
--- this statement waited for its row lock is checked again against the outer
--- condition only, and must not be deleted.
+-- Retention for discarded events, in bounded batches. An event a requeue has
+-- locked is skipped (no wait, no deadlock with the requeue's own locks); one
+-- a requeue made pending and committed after this statement began is checked
+-- again against the conditions, repeated outside for that, and kept.
 DELETE FROM {events}
 WHERE event_id IN (
     SELECT event_id FROM {events}
     WHERE status = 'discarded'
       AND created_at < now() - make_interval(secs => :older_than_seconds)
     LIMIT :batch
+    FOR UPDATE SKIP LOCKED
 )
   AND status = 'discarded'
   AND created_at < now() - make_interval(secs => :older_than_seconds);
@@ -447,6 +451,19 @@ WHERE e.status = 'discarded'
   AND (CAST(:until AS timestamptz) IS NULL OR e.created_at < CAST(:until AS timestamptz))
 ORDER BY e.ordering_key, e.seq
 FOR UPDATE OF e;
+
+-- name: requeue_queue_rows
+-- Gives each key of the events about to be requeued a queue row if it has
+-- none (every event it had was done), from its earliest one, so that
+-- lock_keys can lock it: without a row, a writer could add one and a relay
+-- park the key before the requeue writes, unseen by it.
+INSERT INTO {keys} (ordering_key, next_seq, due_at)
+SELECT ordering_key, min(seq), now()
+FROM {events}
+WHERE event_id = ANY(CAST(:event_ids AS uuid[])) AND status = 'discarded'
+GROUP BY ordering_key
+ORDER BY ordering_key
+ON CONFLICT (ordering_key) DO NOTHING;
 
 -- name: lock_keys
 -- Locks the queue rows of these keys, in key order, until the transaction

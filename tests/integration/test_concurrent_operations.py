@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from outbox_kafka import Event
 from outbox_kafka.database import make_engine
+from outbox_kafka.errors import InvalidSelection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge, requeue
 from outbox_kafka.publisher import DELIVERED, RETRIABLE, Delivery, Message, Publisher
@@ -60,8 +61,15 @@ def _discard_first(engine: sa.Engine, event_id: str) -> None:
         )
 
 
-def _wait_for_waiters(engine: sa.Engine, query_like: str, count: int = 1) -> None:
-    """Until ``count`` sessions run a statement matching ``query_like`` and wait for a lock."""
+def _wait_for_waiters(
+    engine: sa.Engine,
+    query_like: str,
+    count: int = 1,
+    *,
+    unless: Callable[[], bool] = lambda: False,
+) -> None:
+    """Until ``count`` sessions run a statement matching ``query_like`` and wait for a lock
+    (or ``unless()`` is true)."""
 
     def waiting() -> int:
         return int(
@@ -75,7 +83,7 @@ def _wait_for_waiters(engine: sa.Engine, query_like: str, count: int = 1) -> Non
         )
 
     deadline = 200
-    while waiting() < count:
+    while waiting() < count and not unless():
         deadline -= 1
         assert deadline > 0, f"no session ran {query_like!r} and waited for a lock"
         threading.Event().wait(0.05)
@@ -117,6 +125,9 @@ class _InThread:
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def result(self, timeout: float = 30.0) -> Any:
         self._thread.join(timeout)
@@ -243,7 +254,42 @@ def test_a_requeue_racing_a_relay_that_parks_the_key_never_skips_the_parking_eve
     assert check_consistency(engine).ok
 
 
-def test_purge_leaves_an_event_that_a_requeue_made_pending_while_purge_waited(
+def test_a_requeue_of_a_key_without_a_queue_row_sees_a_park_made_meanwhile(
+    engine: sa.Engine, hooked_engine: sa.Engine, new_topic: Callable[..., str]
+) -> None:
+    """Found in review: for a key with no queue row (all its events done) the requeue
+    had nothing to lock; a writer could add the key and a relay park it before the
+    requeue wrote, and the requeue then unparked it without the parking event."""
+    topic = new_topic(partitions=1)
+    [first] = _events(engine, topic, 1)
+    with engine.begin() as conn:  # the relay discarded it; the key left the queue
+        conn.execute(
+            sa.text("UPDATE outbox SET status = 'discarded', last_error = 'test'"),
+        )
+        conn.execute(sa.text("DELETE FROM outbox_keys"))
+
+    with _held(engine, "SELECT pg_advisory_xact_lock(:id)", id=HOOK_LOCK) as release_hook:
+        requeued = _InThread(lambda: requeue(hooked_engine, Selection(event_ids=(first,))))
+        _wait_for_waiters(engine, "%now()%")
+        # Meanwhile a writer adds an event of the key, and a relay parks the key on it.
+        [second] = _events(engine, topic, 1)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE outbox SET status = 'discarded', last_error = 'test' "
+                    "WHERE event_id = :id"
+                ),
+                {"id": second},
+            )
+            conn.execute(sa.text("UPDATE outbox_keys SET parked_at = now()"))
+        release_hook()
+        with pytest.raises(InvalidSelection, match=f"parked by event {second}"):
+            requeued.result()
+
+    assert rows(engine, "SELECT next_seq, parked_at IS NOT NULL FROM outbox_keys") == [(2, True)]
+
+
+def test_purge_leaves_an_event_that_a_requeue_holds(
     engine: sa.Engine, new_topic: Callable[..., str]
 ) -> None:
     """Found: after waiting for the requeue's row lock, the purge re-checked only its
@@ -258,11 +304,12 @@ def test_purge_leaves_an_event_that_a_requeue_made_pending_while_purge_waited(
         # The requeue locks the event, then waits for the key row.
         requeued = _InThread(lambda: requeue(engine, Selection(event_ids=(first,))))
         _wait_for_waiters(engine, "%ORDER BY ordering_key\nFOR UPDATE%")
-        # The purge selects the event as discarded and waits for the requeue's lock.
+        # The purge finds the event discarded while the requeue holds it: it skips
+        # it, or waits for the lock (and must then see that it is pending).
         purged = _InThread(
             lambda: purge(engine, retain_delivered_seconds=0, retain_discarded_seconds=0)
         )
-        _wait_for_waiters(engine, "%DELETE FROM%discarded%")
+        _wait_for_waiters(engine, "%DELETE FROM%discarded%", unless=purged.done)
         release_key()
         assert requeued.result().count == 1
         result = purged.result()
@@ -272,6 +319,26 @@ def test_purge_leaves_an_event_that_a_requeue_made_pending_while_purge_waited(
         ("pending", 1)
     ]
     assert scalar(engine, "SELECT next_seq FROM outbox_keys WHERE ordering_key = :k", k=KEY) == 1
+
+
+def test_purge_leaves_an_event_that_a_requeue_made_pending_after_purge_began(
+    engine: sa.Engine, hooked_engine: sa.Engine, new_topic: Callable[..., str]
+) -> None:
+    """The same, with the requeue committed between the purge's snapshot and its lock."""
+    first, _, _ = _events(engine, new_topic(partitions=1), 3)
+    _discard_first(engine, first)
+
+    with _held(engine, "SELECT pg_advisory_xact_lock(:id)", id=HOOK_LOCK) as release_hook:
+        purged = _InThread(
+            lambda: purge(hooked_engine, retain_delivered_seconds=0, retain_discarded_seconds=0)
+        )
+        _wait_for_waiters(engine, "%DELETE FROM%discarded%")
+        assert requeue(engine, Selection(event_ids=(first,))).count == 1
+        release_hook()
+        result = purged.result()
+
+    assert result.discarded == 0
+    assert scalar(engine, "SELECT status FROM outbox WHERE event_id = :id", id=first) == "pending"
 
 
 # --------------------------------------------------------------------------- consistency

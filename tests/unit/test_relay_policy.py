@@ -23,19 +23,23 @@ def test_backoff_grows_exponentially_with_jitter_and_stays_under_the_cap() -> No
     assert backoff_delay(10_000, 0.5, 60.0, rng) <= 60.0
 
 
-def _event(key: str, seq: int) -> ClaimedEvent:
-    return ClaimedEvent(str(uuid.uuid4()), key, seq, "t", "x", b"{}", [], 0, True, 0.0)
+def _event(key: str, seq: int, topic: str = "t") -> ClaimedEvent:
+    return ClaimedEvent(str(uuid.uuid4()), key, seq, topic, "x", b"{}", [], 0, True, 0.0)
 
 
 def _claim(
-    events_per_key: list[int], per_key_limit: int, waiting: list[int] | None = None
+    events_per_key: list[int],
+    per_key_limit: int,
+    waiting: list[int] | None = None,
+    topics: tuple[str, ...] = ("t",),
 ) -> Claim:
-    """Keys from next_seq 1 with these many events claimed (and, if given, waiting)."""
+    """Keys from next_seq 1 with these many events claimed (and, if given, waiting);
+    each key's events take ``topics`` in turn."""
     keys = [
         ClaimedKey(
             f"k{i}",
             1,
-            [_event(f"k{i}", s + 1) for s in range(n)],
+            [_event(f"k{i}", s + 1, topics[s % len(topics)]) for s in range(n)],
             None if waiting is None else waiting[i],
         )
         for i, n in enumerate(events_per_key)
@@ -97,3 +101,12 @@ def test_never_below_the_floor(relay: Relay) -> None:
     relay._keys_per_claim = 15
     relay._adapt_keys_per_claim(_claim([66] * 15, per_key_limit=66), 15)
     assert relay._keys_per_claim == 15
+
+
+def test_keys_whose_events_switch_topics_do_not_shrink_the_claim(relay: Relay) -> None:
+    # Each key brings 5 events but can send only its first (the next is for another
+    # topic and waits for the next batch): more keys per claim, not fewer.
+    relay._keys_per_claim = 200
+    claim = _claim([5] * 200, per_key_limit=5, waiting=[50] * 200, topics=("a", "b"))
+    relay._adapt_keys_per_claim(claim, 200)
+    assert relay._keys_per_claim == 400
