@@ -228,7 +228,7 @@ def test_a_requeue_racing_a_relay_that_parks_the_key_never_skips_the_parking_eve
         with _held(engine, "SELECT pg_advisory_xact_lock(:id)", id=HOOK_LOCK) as release_hook:
             # The requeue of the first event reads the key's state and waits in now().
             requeued = _InThread(lambda: requeue(hooked_engine, Selection(event_ids=(first,))))
-            _wait_for_waiters(engine, "%parked_by%")
+            _wait_for_waiters(engine, "%now()%")
             # Meanwhile the relay records its batch: the second event discarded, the
             # key parked on it (fenced by its claim token, as always).
             parked = _InThread(
@@ -240,17 +240,30 @@ def test_a_requeue_racing_a_relay_that_parks_the_key_never_skips_the_parking_eve
             )
             threading.Event().wait(0.5)  # the record commits, or waits for the requeue's lock
             release_hook()
-            result = requeued.result()
+            try:
+                outcome: Any = requeued.result()
+            except InvalidSelection as exc:
+                outcome = exc
             recorded = parked.result()
     finally:
         relay.close()
 
-    # The requeue took the key from the relay before it parked it: the relay's
-    # record is fenced off, and both events go out again in order.
-    assert (result.count, result.taken_keys, recorded.keys_owned) == (1, [KEY], 0)
-    statuses = rows(engine, "SELECT seq, status FROM outbox ORDER BY seq")
-    assert statuses == [(1, "pending"), (2, "pending"), (3, "pending")]
-    assert rows(engine, "SELECT next_seq, parked_at FROM outbox_keys") == [(1, None)]
+    if isinstance(outcome, InvalidSelection):
+        # The requeue saw the park: it refuses a selection without the parking event.
+        assert f"parked by event {second}" in str(outcome)
+        assert recorded.keys_owned == 1
+    else:
+        # The requeue took the key from the relay first: the record is fenced off.
+        assert (outcome.count, outcome.taken_keys, recorded.keys_owned) == (1, [KEY], 0)
+    # Either way no discarded event is left behind the key's next_seq but the one a
+    # parked key waits on.
+    skipped = rows(
+        engine,
+        "SELECT e.seq FROM outbox e JOIN outbox_keys k USING (ordering_key) "
+        "WHERE e.status = 'discarded' AND e.seq >= k.next_seq "
+        "AND NOT (k.parked_at IS NOT NULL AND e.seq = k.next_seq)",
+    )
+    assert skipped == []
     assert check_consistency(engine).ok
 
 
