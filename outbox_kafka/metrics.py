@@ -157,14 +157,11 @@ class RelayMetrics:
 
         self.last_cycle_timestamp_seconds.set_function(unix_time)
 
-    def observe_backlog(
-        self, pending: int, oldest_age_seconds: float | None, parked: int, violations: int = 0
-    ) -> None:
+    def observe_backlog(self, pending: int, oldest_age_seconds: float | None, parked: int) -> None:
         """Record one backlog sample."""
         self.pending_events.set(pending)
         self.oldest_pending_age_seconds.set(oldest_age_seconds or 0.0)
         self.parked_keys.set(parked)
-        self.consistency_violations.set(violations)
 
     def observe_librdkafka_stats(self, payload: str) -> None:
         """The producer's ``stats_cb``: copy a few librdkafka statistics into gauges."""

@@ -69,8 +69,13 @@ def _array(values: Sequence[str]) -> str | None:
 
 def short_command_engine(url: str, *, connect_timeout: float = 10.0) -> Engine:
     """An engine for one short command: no pool kept, a bounded connection wait."""
+    # READ COMMITTED whatever the server's default: requeue and unpark lock
+    # rows in one statement and read what they hold in the next.
     return make_engine(
-        url, poolclass=NullPool, connect_args={"connect_timeout": max(1, round(connect_timeout))}
+        url,
+        poolclass=NullPool,
+        isolation_level="READ COMMITTED",
+        connect_args={"connect_timeout": max(1, round(connect_timeout))},
     )
 
 

@@ -73,12 +73,14 @@ class DrainResult:
     """What :meth:`Relay.drain_all` did, and what it left pending and why."""
 
     report: CycleReport
-    left: Remaining
+    #: What is left; None when it could not be read (``error`` says why).
+    left: Remaining | None
+    error: str | None = None
 
     @property
     def complete(self) -> bool:
         """Nothing is left pending."""
-        return self.left.pending == 0
+        return self.left is not None and self.left.pending == 0
 
     def summary(self) -> str:
         """One line for people: what was sent, and what is left and why."""
@@ -87,6 +89,8 @@ class DrainResult:
             f"drained: {r.delivered} delivered, {r.discarded} discarded, "
             f"{r.retried} retried, {r.leases_lost} leases lost"
         )
+        if left is None:
+            return f"{line}; could not read what is left pending: {self.error}"
         if self.complete:
             return line + "; nothing left pending"
         reasons = [
@@ -268,14 +272,23 @@ class Relay:
         keys leased by another relay (a relay that died holds its keys until
         its leases end), retries after their backoff, delayed events. Parked
         keys and unreachable events are left as they are and reported, as is
-        whatever comes due only after the deadline. :meth:`stop` ends the
-        wait.
+        whatever comes due only after the deadline. The deadline bounds the
+        waiting, not the sending: while writers keep adding due work, this
+        goes on. :meth:`stop` ends it; so does a database that stays down
+        past the deadline (what is left is then unknown).
         """
         deadline = time.monotonic() + timeout
         total = CycleReport()
         while True:
             _add(total, self.drain())
-            left = self._with_db_retry(self.store.remaining, stop_on_shutdown=True)
+            try:
+                left = self._with_db_retry(
+                    self.store.remaining,
+                    stop_on_shutdown=True,
+                    give_up=lambda: time.monotonic() > deadline,
+                )
+            except StorageError as exc:
+                return DrainResult(total, None, str(exc))
             if left.pending == 0 or self._stop.is_set() or left.next_due_seconds is None:
                 return DrainResult(total, left)
             wait = max(0.05, left.next_due_seconds)
@@ -749,14 +762,23 @@ class Relay:
         except StorageError:
             self._stop.wait(timeout)
 
-    def _with_db_retry(self, action: Callable[[], T], *, stop_on_shutdown: bool) -> T:
+    def _with_db_retry(
+        self,
+        action: Callable[[], T],
+        *,
+        stop_on_shutdown: bool,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> T:
         """Run a database step, retrying transient failures with backoff.
 
         Claims give up when the relay is stopping; recording an outcome keeps
         trying until the shutdown deadline, since Kafka already has the messages.
+        ``give_up`` may end the retries sooner.
         """
 
         def should_stop(state: RetryCallState) -> bool:
+            if give_up():
+                return True
             return self._stop.is_set() if stop_on_shutdown else self._past_shutdown_deadline()
 
         def before_sleep(state: RetryCallState) -> None:

@@ -46,9 +46,27 @@ class BacklogSampler:
             )
             return None
         self.metrics.observe_backlog(
-            backlog.pending, backlog.oldest_age_seconds, backlog.parked_keys, backlog.violations
+            backlog.pending, backlog.oldest_age_seconds, backlog.parked_keys
         )
+        self.count_violations()
         return backlog
+
+    def count_violations(self) -> int | None:
+        """Set ``outbox_consistency_violations``; None (logged and counted) when it failed.
+
+        Apart from the backlog sample, so that a slow count on a huge key
+        queue never costs the other gauges their value.
+        """
+        try:
+            violations = self._store.consistency_violations(self._timeout)
+        except StorageError as exc:
+            self.metrics.db_errors.inc()
+            log.warning(
+                "consistency count failed", extra={"action": "sample_failed", "error": str(exc)}
+            )
+            return None
+        self.metrics.consistency_violations.set(violations)
+        return violations
 
     def start(self) -> BacklogSampler:
         """Sample now, then every interval, in a daemon thread, until :meth:`stop`."""

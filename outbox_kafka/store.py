@@ -104,9 +104,6 @@ class Backlog:
     pending: int
     oldest_age_seconds: float | None
     parked_keys: int
-    #: Keys whose pending events no relay will reach, and broken queue rows
-    #: (see ``consistency_violation_count``); 0 in a consistent outbox.
-    violations: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,7 +179,11 @@ class Store:
         self.url_for_logs = redact_url(database_url)
         self._database_url = database_url
         # Claims, records and retention each run on their own connection at once.
-        self._engine = engine or make_engine(database_url, pool_size=3, max_overflow=2)
+        # READ COMMITTED whatever the server's default: the claim and the record
+        # rely on each statement seeing what committed before it began.
+        self._engine = engine or make_engine(
+            database_url, pool_size=3, max_overflow=2, isolation_level="READ COMMITTED"
+        )
         self._q = queries_for(names)
         self._listener: psycopg2.extensions.connection | None = None
 
@@ -388,13 +389,22 @@ class Store:
                 pending = snapshot.execute(self._q["pending_events_estimate"]).scalar_one()
                 age = snapshot.execute(self._q["oldest_pending_age"]).scalar_one()
                 parked = snapshot.execute(self._q["parked_key_count"]).scalar_one()
-                violations = snapshot.execute(self._q["consistency_violation_count"]).scalar_one()
         return Backlog(
             pending=int(pending),
             oldest_age_seconds=None if age is None else max(0.0, float(age)),
             parked_keys=int(parked),
-            violations=int(violations),
         )
+
+    def consistency_violations(self, timeout: float) -> int:
+        """Keys whose pending events no relay will reach, plus broken queue rows.
+
+        One statement: a probe of the claim index per key with pending events
+        and a pass over the key queue, so its cost grows with the keys that
+        have work, not with the events; 0 in a consistent outbox.
+        """
+        with _translated("counting consistency violations"), self._engine.begin() as conn:
+            conn.execute(self._q["statement_timeout"], {"milliseconds": _millis(timeout)})
+            return int(conn.execute(self._q["consistency_violation_count"]).scalar_one())
 
     def remaining(self) -> Remaining:
         """What is left pending and why (one statement; reads every pending event)."""

@@ -340,6 +340,14 @@ def test_backlog_gauges_follow_pending_events_their_age_and_parked_keys(
         assert value(r, "outbox_parked_keys") == 0
         assert value(r, "outbox_pending_events") == 0 == pending_count(engine)
         assert value(r, "outbox_oldest_pending_age_seconds") == 0
+        assert value(r, "outbox_consistency_violations") == 0
+
+        # A pending event whose key left the queue: no relay would ever reach it.
+        enqueue_bulk(engine, outbox, seq_events(topic, ["s"], 2))
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM outbox_keys WHERE ordering_key = 's'"))
+        sampler.sample_once()
+        assert value(r, "outbox_consistency_violations") == 1
     finally:
         sampler.stop()
 

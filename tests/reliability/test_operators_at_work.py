@@ -94,6 +94,8 @@ class Operator(threading.Thread):
         self.skipped: set[str] = set()
         self.halt = threading.Event()
         self.error: BaseException | None = None
+        #: What check --consistency found on the live outbox, while everything ran.
+        self.violations: list[str] = []
 
     def discarded(self) -> list[tuple[str, str]]:
         return [
@@ -111,7 +113,7 @@ class Operator(threading.Thread):
         self.done["unpark"] += result.count
 
     def step(self) -> None:
-        action = self.rng.choice(["by_id", "by_key", "by_time", "unpark", "purge"])
+        action = self.rng.choice(["by_id", "by_key", "by_time", "unpark", "purge", "check"])
         found = self.discarded()
         try:
             if action == "by_id" and found:
@@ -126,6 +128,10 @@ class Operator(threading.Thread):
                 self.done[action] += requeue(self.engine, Selection(since=since, until=until)).count
             elif action == "unpark" and self.rng.random() < 0.3:
                 self.unpark_all()
+            elif action == "check":
+                report = check_consistency(self.engine)
+                self.violations += [f"{v.check} {v.key} {v.event_id}" for v in report.violations]
+                self.done[action] += 1
             elif action == "purge":
                 result = purge(self.engine, retain_delivered_seconds=1, retain_discarded_seconds=1)
                 self.done[action] += result.delivered + result.discarded
@@ -188,6 +194,8 @@ def test_operators_relays_and_writers_at_once(
         operator.halt.set()
         operator.join(60)
         assert operator.error is None, operator.error
+        assert operator.done["check"] > 0
+        assert not operator.violations, operator.violations[:10]
 
         # Afterwards, a last requeue of everything discarded (the late topic exists
         # now), then unpark until nothing is pending.
