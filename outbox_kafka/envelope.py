@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from .errors import (
@@ -228,6 +228,30 @@ def check_available_at(value: object) -> datetime:
     return value
 
 
+#: The longest delay accepted: far beyond any use, well inside PostgreSQL's intervals.
+MAX_DELAY = timedelta(days=100 * 366)
+
+
+def check_delay(value: object, available_at: object) -> float:
+    """``value`` in seconds if it is a timedelta from zero to :data:`MAX_DELAY`, else raise.
+
+    A delay counts from the database's ``now()`` when the event is written, so
+    a skewed application clock does not shift it; ``available_at`` is for
+    absolute times, and only one of the two may be given.
+    """
+    if available_at is not None:
+        raise InvalidTimestamp(
+            "delay", "give available_at (an absolute time) or delay (from now), not both"
+        )
+    if not isinstance(value, timedelta):
+        raise InvalidTimestamp("delay", f"must be a datetime.timedelta, not {type(value).__name__}")
+    if value < timedelta(0):
+        raise InvalidTimestamp("delay", f"must not be negative, got {value}")
+    if value > MAX_DELAY:
+        raise InvalidTimestamp("delay", f"must be at most {MAX_DELAY.days} days, got {value}")
+    return value.total_seconds()
+
+
 def check_headers(headers: object) -> list[tuple[str, bytes]]:
     """Normalise producer headers to ``[(name, bytes)]``, in the order given."""
     if headers is None:
@@ -316,6 +340,8 @@ class EncodedEvent(NamedTuple):
     envelope: dict[str, Any]
     #: ``headers`` as the outbox stores them: :func:`headers_to_json` of them.
     stored_headers: str
+    #: Seconds after the database's ``now()`` at insert before it may be sent.
+    delay_seconds: float | None = None
 
 
 _CONTENT_TYPE_HEADER = ("content-type", CONTENT_TYPE.encode())

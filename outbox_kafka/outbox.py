@@ -6,7 +6,7 @@ import fnmatch
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from .envelope import (
     HeadersInput,
     check_attribute,
     check_available_at,
+    check_delay,
     check_event_id,
     check_headers,
     check_key,
@@ -66,6 +67,7 @@ class Event:
     source: str | None = None
     subject: str | None = None
     traceparent: str | None = None
+    delay: timedelta | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +256,7 @@ class Outbox:
         available_at = (
             None if event.available_at is None else check_available_at(event.available_at)
         )
+        delay = None if event.delay is None else check_delay(event.delay, available_at)
         own_headers = check_headers(event.headers)
 
         data_json = encode_data(event.data)
@@ -294,6 +297,7 @@ class Outbox:
             available_at,
             envelope,
             stored_headers,
+            delay,
         )
 
     @counts_enqueue_failures
@@ -311,6 +315,7 @@ class Outbox:
         source: str | None = None,
         subject: str | None = None,
         traceparent: str | None = None,
+        delay: timedelta | None = None,
     ) -> uuid.UUID:
         """Write one event in the caller's transaction and return its id.
 
@@ -334,6 +339,7 @@ class Outbox:
             source=source,
             subject=subject,
             traceparent=traceparent,
+            delay=delay,
         )
         return self._write(conn, [self._encode(event)], event_id is not None)[0]
 
@@ -456,6 +462,7 @@ def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> 
         per_key[event.key] = later + 1
         first[event.key] = event
     delayed = any(e.available_at is not None for e in encoded)
+    deferred = any(e.delay_seconds is not None for e in encoded)
     values = [e.value for e in encoded]
     lengths = [len(v) for v in values]
     # Keys and types hold no NUL (checked); ids and topics are ASCII: the
@@ -466,6 +473,7 @@ def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> 
         "key_available_ats": _timestamps([first[k].available_at for k in per_key])
         if delayed
         else None,
+        "key_delays": pg_array([first[k].delay_seconds for k in per_key]) if deferred else None,
         "event_ids": pg_text_array([e.envelope["id"] for e in encoded]),
         "ordering_keys": pg_text_array([e.key for e in encoded]),
         "behind": pg_int_array(behind),
@@ -476,6 +484,7 @@ def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> 
         "value_lengths": pg_int_array(lengths),
         "event_headers": "[" + ",".join([e.stored_headers for e in encoded]) + "]",
         "available_ats": _timestamps([e.available_at for e in encoded]) if delayed else None,
+        "delays": pg_array([e.delay_seconds for e in encoded]) if deferred else None,
         "notify": notify,
         "channel": channel,
     }
@@ -496,6 +505,7 @@ def _enqueue_one_params(event: EncodedEvent, channel: str, notify: bool) -> dict
         "value": event.value,
         "headers": event.stored_headers,
         "available_at": None if event.available_at is None else event.available_at.astimezone(UTC),
+        "delay_seconds": event.delay_seconds,
         "notify": notify,
         "channel": channel,
     }
@@ -533,6 +543,7 @@ def enqueue(
     source: str | None = None,
     subject: str | None = None,
     traceparent: str | None = None,
+    delay: timedelta | None = None,
 ) -> uuid.UUID:
     """:meth:`Outbox.enqueue` on the default outbox."""
     return default_outbox().enqueue(
@@ -547,6 +558,7 @@ def enqueue(
         source=source,
         subject=subject,
         traceparent=traceparent,
+        delay=delay,
     )
 
 

@@ -242,7 +242,12 @@ class Relay:
         try:
             while not self._stop.is_set():
                 _, progressed = self._guarded_cycle()
-                if not progressed:
+                if progressed:
+                    # Busy: the wake-ups sent meanwhile are of no use, but unread they
+                    # would pin the server's notification queue, which every
+                    # application of the cluster shares.
+                    self._drop_wakeups()
+                else:
                     self._idle_wait()
         finally:
             # Also after an error: the shutdown deadline bounds the last records.
@@ -750,6 +755,14 @@ class Relay:
         return problem
 
     # Waiting, retrying, housekeeping -------------------------------------------
+
+    def _drop_wakeups(self) -> None:
+        try:
+            self.store.drop_wakeups()
+        except StorageError as exc:
+            log.warning(
+                "could not read notifications", extra={"action": "db_error", "error": str(exc)}
+            )
 
     def _idle_wait(self) -> None:
         self.publisher.poll()  # statistics and librdkafka logs, also while idle

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import select
+import time
 import uuid
 from codecs import escape_decode
 from collections.abc import Iterator, Sequence
@@ -456,6 +457,30 @@ class Store:
                     conn.notifies.clear()
                     return woke
                 return False
+        except (StorageError, OSError):
+            self._drop_listener()
+            raise
+
+    def drop_wakeups(self) -> None:
+        """Read and forget the notifications that have arrived, without waiting.
+
+        A listening session that is not read holds the server's notification
+        queue (shared by the whole cluster) at its position: the relay calls
+        this in every busy cycle. Nothing to do before the first LISTEN.
+        """
+        conn = self._listener
+        if conn is None or conn.closed:
+            return
+        try:
+            with _translated("reading notifications"):
+                # Whatever the socket holds now, read in a few gulps at most.
+                deadline = time.monotonic() + 0.05
+                while True:
+                    conn.poll()
+                    conn.notifies.clear()
+                    ready, _, _ = select.select([conn], [], [], 0)
+                    if not ready or time.monotonic() > deadline:
+                        break
         except (StorageError, OSError):
             self._drop_listener()
             raise

@@ -14,14 +14,16 @@
 -- come as one bytea, cut by :value_starts and :value_lengths, and the headers
 -- as one JSON array: the server parses an array literal of large elements
 -- character by character, which cost about a third of the statement's
--- time. A NULL array of delays means none (unnest pads it with NULLs).
+-- time. A NULL array of available_ats or delays means none (unnest pads it
+-- with NULLs). A delay counts from the database's now(), not the writer's clock.
 WITH batch_keys AS (
     SELECT *
     FROM unnest(
         CAST(:key_names AS text[]),
         CAST(:key_counts AS bigint[]),
-        CAST(:key_available_ats AS timestamptz[])
-    ) AS k(ordering_key, n, available_at)
+        CAST(:key_available_ats AS timestamptz[]),
+        CAST(:key_delays AS double precision[])
+    ) AS k(ordering_key, n, available_at, delay)
 ), counters AS (
     INSERT INTO {seqs} AS s (ordering_key, last_seq)
     SELECT ordering_key, n FROM batch_keys ORDER BY ordering_key
@@ -37,7 +39,7 @@ WITH batch_keys AS (
            i.type,
            substring(CAST(:event_values AS bytea) FROM i.value_start FOR i.value_length),
            CAST(:event_headers AS jsonb) -> CAST(i.ord - 1 AS integer),
-           COALESCE(i.available_at, now())
+           COALESCE(i.available_at, now() + make_interval(secs => i.delay), now())
     FROM unnest(
         CAST(:event_ids AS uuid[]),
         CAST(:ordering_keys AS text[]),
@@ -46,13 +48,16 @@ WITH batch_keys AS (
         CAST(:types AS text[]),
         CAST(:value_starts AS integer[]),
         CAST(:value_lengths AS integer[]),
-        CAST(:available_ats AS timestamptz[])
+        CAST(:available_ats AS timestamptz[]),
+        CAST(:delays AS double precision[])
     ) WITH ORDINALITY AS i(event_id, ordering_key, behind, topic, type, value_start,
-                           value_length, available_at, ord)
+                           value_length, available_at, delay, ord)
     JOIN counters c ON c.ordering_key = i.ordering_key
 ), heads AS (
     INSERT INTO {keys} (ordering_key, next_seq, due_at)
-    SELECT c.ordering_key, c.last_seq - k.n + 1, COALESCE(k.available_at, now())
+    SELECT c.ordering_key,
+           c.last_seq - k.n + 1,
+           COALESCE(k.available_at, now() + make_interval(secs => k.delay), now())
     FROM counters c
     JOIN batch_keys k ON k.ordering_key = c.ordering_key
     ORDER BY c.ordering_key
@@ -79,11 +84,17 @@ WITH counter AS (
            :type,
            CAST(:value AS bytea),
            CAST(:headers AS jsonb),
-           COALESCE(CAST(:available_at AS timestamptz), now())
+           COALESCE(CAST(:available_at AS timestamptz),
+                    now() + make_interval(secs => CAST(:delay_seconds AS double precision)),
+                    now())
     FROM counter c
 ), head AS (
     INSERT INTO {keys} (ordering_key, next_seq, due_at)
-    SELECT :ordering_key, c.last_seq, COALESCE(CAST(:available_at AS timestamptz), now())
+    SELECT :ordering_key,
+           c.last_seq,
+           COALESCE(CAST(:available_at AS timestamptz),
+                    now() + make_interval(secs => CAST(:delay_seconds AS double precision)),
+                    now())
     FROM counter c
     ON CONFLICT (ordering_key) DO NOTHING
 )

@@ -26,6 +26,7 @@ from outbox_kafka import (
     Event,
     InvalidIdentifier,
     InvalidKey,
+    InvalidTimestamp,
     Outbox,
     TableNames,
     UnsafeConnection,
@@ -664,6 +665,47 @@ def test_first_event_of_a_new_key_sets_due_at(engine: sa.Engine, outbox: Outbox)
             ],
         )
     assert queued_keys(engine)["K"]["due_at"] == later
+
+
+def test_a_delay_counts_from_the_databases_clock(engine: sa.Engine, outbox: Outbox) -> None:
+    with engine.begin() as conn:
+        outbox.enqueue(conn, **valid_event(key="one", delay=timedelta(seconds=90)))
+        outbox.enqueue_many(
+            conn,
+            [
+                Event(**valid_event(key="many", delay=timedelta(minutes=5))),
+                Event(**valid_event(key="many")),
+                Event(**valid_event(key="other", delay=timedelta(0))),
+            ],
+        )
+        now = conn.execute(sa.text("SELECT now()")).scalar_one()
+    stored = {(r["ordering_key"], r["seq"]): r["available_at"] for r in stored_events(engine)}
+    assert stored[("one", 1)] == now + timedelta(seconds=90)
+    assert stored[("many", 1)] == now + timedelta(minutes=5)
+    assert stored[("many", 2)] == now
+    assert stored[("other", 1)] == now
+    heads = queued_keys(engine)
+    assert heads["one"]["due_at"] == now + timedelta(seconds=90)
+    assert heads["many"]["due_at"] == now + timedelta(minutes=5)  # its first event's
+
+
+@pytest.mark.parametrize(
+    ("delay", "available_at", "message"),
+    [
+        (timedelta(seconds=-1), None, "must not be negative"),
+        (30, None, "must be a datetime.timedelta, not int"),
+        (timedelta(days=40_000), None, "must be at most"),
+        (timedelta(seconds=5), datetime(2040, 1, 1, tzinfo=UTC), "not both"),
+    ],
+)
+def test_a_bad_delay_is_refused_before_anything_is_written(
+    engine: sa.Engine, outbox: Outbox, delay: Any, available_at: datetime | None, message: str
+) -> None:
+    with engine.begin() as conn:
+        with pytest.raises(InvalidTimestamp, match=message) as caught:
+            outbox.enqueue(conn, **valid_event(key="bad", delay=delay, available_at=available_at))
+        assert caught.value.field == "delay"
+    assert stored_events(engine) == []
 
 
 # --- LISTEN / NOTIFY ----------------------------------------------------------------------
