@@ -514,16 +514,15 @@ def unpark(
     with _database("unparking keys"), engine.connect() as conn, conn.begin() as tx:
         # Lock first, then read (see lock_keys in queries.sql); only the keys locked.
         params = selection.params()
-        maybe = list(
+        locked = list(
             conn.execute(
-                q["parked_keys_to_lock"], {"ordering_keys": params["ordering_keys"]}
+                q["lock_parked_keys"], {"ordering_keys": params["ordering_keys"]}
             ).scalars()
         )
         parked: list[ParkedKey] = []
-        if maybe:
-            locked = {**params, "ordering_keys": pg_array(maybe)}
-            conn.execute(q["lock_keys"], locked)
-            parked = [ParkedKey.from_row(r) for r in conn.execute(q["unpark_candidates"], locked)]
+        if locked:
+            read = {**params, "ordering_keys": pg_array(locked)}
+            parked = [ParkedKey.from_row(r) for r in conn.execute(q["unpark_candidates"], read)]
         if dry_run or not parked:
             tx.rollback()
         else:

@@ -500,17 +500,20 @@ LEFT JOIN {events} e
 WHERE k.ordering_key = ANY(CAST(:ordering_keys AS text[]))
 ORDER BY k.ordering_key;
 
--- name: parked_keys_to_lock
--- The parked keys an unpark may apply to (by key, when keys are selected),
--- for lock_keys; unpark_candidates then reads them after the lock.
+-- name: lock_parked_keys
+-- Locks the parked keys an unpark may apply to (by key, when keys are
+-- selected), in key order, as lock_keys does; unpark_candidates then reads
+-- them after the lock.
 SELECT ordering_key FROM {keys}
 WHERE parked_at IS NOT NULL
   AND (CAST(:ordering_keys AS text[]) IS NULL
-       OR ordering_key = ANY(CAST(:ordering_keys AS text[])));
+       OR ordering_key = ANY(CAST(:ordering_keys AS text[])))
+ORDER BY ordering_key
+FOR UPDATE;
 
 -- name: unpark_candidates
--- The parked keys an operator selected (locked by lock_keys), each with the
--- discarded event that parked it; event selectors match that event.
+-- The parked keys an operator selected (locked by lock_parked_keys), each with
+-- the discarded event that parked it; event selectors match that event.
 SELECT k.ordering_key, k.next_seq, k.parked_at,
        CAST(e.event_id AS text) AS event_id, e.topic, e.type, e.attempts, e.last_error,
        e.created_at
