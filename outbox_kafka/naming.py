@@ -28,6 +28,8 @@ _OBJECT_SUFFIXES = (
     "_keys",
     "_keys_due_idx",
     "_keys_pkey",
+    "_arrivals",
+    "_arrivals_pkey",
     "_key_seq",
     "_key_seq_pkey",
     "_migrations",
@@ -54,7 +56,7 @@ def _quote(identifier: str) -> str:
 
 @dataclass(frozen=True)
 class TableNames:
-    """The objects that make up one outbox: events, key queue, key counters."""
+    """The objects that make up one outbox: events, key counters, arrivals, key queue."""
 
     table: str = "outbox"
     schema: str = "public"
@@ -70,6 +72,10 @@ class TableNames:
     @property
     def keys(self) -> str:
         return f"{self.table}_keys"
+
+    @property
+    def arrivals(self) -> str:
+        return f"{self.table}_arrivals"
 
     @property
     def seqs(self) -> str:
@@ -111,6 +117,7 @@ class TableNames:
             "events": f"{s}.{_quote(self.events)}",
             "keys": f"{s}.{_quote(self.keys)}",
             "seqs": f"{s}.{_quote(self.seqs)}",
+            "arrivals": f"{s}.{_quote(self.arrivals)}",
             "versions": f"{s}.{_quote(self.versions)}",
             "channel": _quote(self.channel),
         }

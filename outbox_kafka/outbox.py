@@ -168,6 +168,13 @@ class Outbox:
             notify=notify,
         )
         self._queries: Queries = queries_for(self._config.names)
+        #: The wake-up parameters of every enqueue: notify on this channel while a
+        #: relay holds this lock (see enqueue in queries.sql).
+        self._wake: dict[str, Any] = {
+            "notify": notify,
+            "channel": self._config.names.channel,
+            "wake_lock": self._config.names.lock_id("wake"),
+        }
         self._kinds: dict[tuple[str, str | None], _EventKind] = {}
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
         self.producer_metrics = producer_metrics(registry)
@@ -368,13 +375,13 @@ class Outbox:
     ) -> list[uuid.UUID]:
         """Write ``encoded`` in one statement; ``chosen_ids``: the caller gave event ids."""
         connection = _connection_of(conn)
-        channel, notify = self._config.names.channel, self._config.notify
         if len(encoded) == 1:
             statement = self._queries["enqueue_one"]
-            params = _enqueue_one_params(encoded[0], channel, notify)
+            params = _enqueue_one_params(encoded[0])
         else:
             statement = self._queries["enqueue"]
-            params = _enqueue_params(encoded, channel, notify)
+            params = _enqueue_params(encoded)
+        params.update(self._wake)
         if chosen_ids:
             # Caller-chosen ids may collide; a savepoint keeps a collision from
             # spoiling the caller's transaction.
@@ -448,7 +455,7 @@ def _connection_of(conn: Connectable) -> Connection:
     return connection
 
 
-def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> dict[str, Any]:
+def _enqueue_params(encoded: list[EncodedEvent]) -> dict[str, Any]:
     """The ``enqueue`` statement's parameters: per event, and per distinct key."""
     # Walking the batch backwards: how many later events of the same key each
     # event has, how many events each key has, and each key's first event.
@@ -485,8 +492,6 @@ def _enqueue_params(encoded: list[EncodedEvent], channel: str, notify: bool) -> 
         "event_headers": "[" + ",".join([e.stored_headers for e in encoded]) + "]",
         "available_ats": _timestamps([e.available_at for e in encoded]) if delayed else None,
         "delays": pg_array([e.delay_seconds for e in encoded]) if deferred else None,
-        "notify": notify,
-        "channel": channel,
     }
 
 
@@ -495,7 +500,7 @@ def _timestamps(values: list[datetime | None]) -> str:
     return pg_array([None if v is None else v.astimezone(UTC).isoformat() for v in values])
 
 
-def _enqueue_one_params(event: EncodedEvent, channel: str, notify: bool) -> dict[str, Any]:
+def _enqueue_one_params(event: EncodedEvent) -> dict[str, Any]:
     """The ``enqueue_one`` statement's parameters."""
     return {
         "event_id": event.envelope["id"],
@@ -506,8 +511,6 @@ def _enqueue_one_params(event: EncodedEvent, channel: str, notify: bool) -> dict
         "headers": event.stored_headers,
         "available_at": None if event.available_at is None else event.available_at.astimezone(UTC),
         "delay_seconds": event.delay_seconds,
-        "notify": notify,
-        "channel": channel,
     }
 
 

@@ -44,6 +44,12 @@ log = logging.getLogger("outbox_kafka.relay")
 
 T = TypeVar("T")
 
+#: How long a relay about to wait idle waits for producers' transactions that
+#: hold the wake lock (they sent no notify) before it waits anyway, briefly.
+_IDLE_LOCK_WAIT = 0.1
+#: An idle relay checks for stop() at least this often (seconds).
+_STOP_CHECK = 0.5
+
 
 @dataclass
 class CycleReport:
@@ -243,10 +249,7 @@ class Relay:
             while not self._stop.is_set():
                 _, progressed = self._guarded_cycle()
                 if progressed:
-                    # Busy: the wake-ups sent meanwhile are of no use, but unread they
-                    # would pin the server's notification queue, which every
-                    # application of the cluster shares.
-                    self._drop_wakeups()
+                    self._stay_busy()
                 else:
                     self._idle_wait()
         finally:
@@ -756,8 +759,16 @@ class Relay:
 
     # Waiting, retrying, housekeeping -------------------------------------------
 
-    def _drop_wakeups(self) -> None:
+    def _stay_busy(self) -> None:
+        """After a cycle that did something: no wake-ups wanted, none left unread.
+
+        Producers stop notifying once the wake lock is let go. The
+        notifications sent meanwhile are of no use, but unread they would pin
+        the server's notification queue, which every application of the
+        cluster shares.
+        """
         try:
+            self.store.announce_busy()
             self.store.drop_wakeups()
         except StorageError as exc:
             log.warning(
@@ -765,13 +776,31 @@ class Relay:
             )
 
     def _idle_wait(self) -> None:
+        """After a cycle with nothing to do: wait for a wake-up or ``poll_interval``.
+
+        The first time, announce the relay idle (take the wake lock) and look
+        for work once more instead of waiting: what producers committed
+        before the lock was taken did not notify. When another relay is the
+        idle one, its wake-ups reach this relay too; when a producer's long
+        transaction holds the lock, wait only briefly before trying again.
+        """
         self.publisher.poll()  # statistics and librdkafka logs, also while idle
         timeout = self.settings.poll_interval
         if not self.settings.listen:
             self._stop.wait(timeout)
             return
         try:
-            self.store.wait_for_wakeup(timeout)
+            if not self.store.idle_announced:
+                if self.store.announce_idle(_IDLE_LOCK_WAIT):
+                    return
+                if not self.store.another_relay_idle():
+                    timeout = min(timeout, _IDLE_LOCK_WAIT)
+            # In slices, so that stop() is heard within one whatever the poll interval.
+            deadline = time.monotonic() + timeout
+            while not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or self.store.wait_for_wakeup(min(left, _STOP_CHECK)):
+                    break
         except StorageError:
             self._stop.wait(timeout)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import psycopg2
+import psycopg2.errors
 import psycopg2.extensions
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -26,6 +27,10 @@ from .envelope import headers_from_text
 from .errors import StorageError
 from .naming import TableNames
 from .queries import pg_array, pg_text_array, queries_for
+
+#: A claim of up to N keys first moves up to this many times N keys from the
+#: producers' arrivals into the key queue.
+_ADMIT_PER_KEY = 2
 
 
 class ClaimedEvent(NamedTuple):
@@ -186,7 +191,12 @@ class Store:
             database_url, pool_size=3, max_overflow=2, isolation_level="READ COMMITTED"
         )
         self._q = queries_for(names)
+        self._admit_and_claim = ";\n".join(
+            [self._q.driver_sql("admit_arrivals"), self._q.driver_sql("claim_keys")]
+        )
         self._listener: psycopg2.extensions.connection | None = None
+        self._idle = False
+        self._wake_lock = {"wake_lock": names.lock_id("wake")}
 
     @contextlib.contextmanager
     def _cursor(self, what: str) -> Iterator[Any]:
@@ -218,6 +228,7 @@ class Store:
             "max_keys": max_keys or batch_size,
             "batch_size": batch_size,
             "lease_seconds": lease_seconds,
+            "admit_limit": _ADMIT_PER_KEY * (max_keys or batch_size),
         }
         try:
             rows, as_text = self._claim_rows(params, as_text=True)
@@ -278,9 +289,11 @@ class Store:
         """Run the claim; its rows, and whether their values came as text."""
         with self._cursor("claiming events") as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
-            # Two statements, so that the events are read from a snapshot taken
-            # after the keys are locked: see claim_keys in queries.sql.
-            cur.execute(self._q.driver_sql("claim_keys"), params)
+            # The keys that producers added since the last claim join the queue
+            # first (admit_arrivals), in the same round trip. Then two statements,
+            # so that the events are read from a snapshot taken after the keys
+            # are locked: see claim_keys in queries.sql.
+            cur.execute(self._admit_and_claim, params)
             leased = cur.fetchall()
             if not leased:
                 return [], as_text
@@ -485,7 +498,71 @@ class Store:
             self._drop_listener()
             raise
 
+    # The wake lock: held while this relay waits idle, so that producers notify.
+
+    @property
+    def idle_announced(self) -> bool:
+        """Whether this relay holds the wake lock (producers notify it)."""
+        return self._idle and self._listener is not None and not self._listener.closed
+
+    def announce_idle(self, wait: float) -> bool:
+        """Take the wake lock, waiting up to ``wait`` seconds; whether it is held now.
+
+        Producers that committed meanwhile without a notify held the lock
+        shared, so once this returns True every event they wrote is visible:
+        look for work once more before waiting for a notification. False when
+        another relay holds the lock or a producer's transaction outlasted
+        ``wait``; producers then notify only if another relay holds it.
+        """
+        if self.idle_announced:
+            return True
+        try:
+            with _translated("announcing an idle relay"):
+                conn = self._listen()
+                with conn.cursor() as cur:
+                    cur.execute(
+                        self._q.driver_sql("wake_lock_timeout"),
+                        {"milliseconds": _millis(wait)},
+                    )
+                    try:
+                        cur.execute(self._q.driver_sql("announce_idle"), self._wake_lock)
+                    except psycopg2.errors.LockNotAvailable:
+                        return False
+        except (StorageError, OSError):
+            self._drop_listener()
+            raise
+        self._idle = True
+        return True
+
+    def announce_busy(self) -> None:
+        """Let go of the wake lock, if held: producers stop notifying."""
+        if not self.idle_announced:
+            self._idle = False
+            return
+        assert self._listener is not None
+        try:
+            with _translated("announcing a busy relay"), self._listener.cursor() as cur:
+                cur.execute(self._q.driver_sql("announce_busy"), self._wake_lock)
+        except (StorageError, OSError):
+            self._drop_listener()
+            raise
+        self._idle = False
+
+    def another_relay_idle(self) -> bool:
+        """Whether another relay holds the wake lock (and so producers notify)."""
+        lock_id = self._wake_lock["wake_lock"]
+        params = {"lock_high": (lock_id >> 32) & 0xFFFFFFFF, "lock_low": lock_id & 0xFFFFFFFF}
+        try:
+            with _translated("looking for an idle relay"), self._listen().cursor() as cur:
+                cur.execute(self._q.driver_sql("wake_lock_held_by_relay"), params)
+                row = cur.fetchone()
+        except (StorageError, OSError):
+            self._drop_listener()
+            raise
+        return bool(row and row[0])
+
     def _drop_listener(self) -> None:
+        self._idle = False  # the lock goes with the session
         if self._listener is not None:
             with contextlib.suppress(Exception):
                 self._listener.close()

@@ -32,12 +32,13 @@ from .naming import TableNames
 
 @dataclass(frozen=True)
 class OutboxTables:
-    """The three tables of one outbox, on one ``MetaData``."""
+    """The four tables of one outbox, on one ``MetaData``."""
 
     metadata: MetaData
     events: Table
     keys: Table
     seqs: Table
+    arrivals: Table
 
 
 def build_tables(names: TableNames | None = None, metadata: MetaData | None = None) -> OutboxTables:
@@ -116,7 +117,15 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Index(f"{names.keys}_due_idx", "due_at", postgresql_where=text("parked_at IS NULL")),
         schema=schema,
     )
-    return OutboxTables(md, events, keys, seqs)
+    arrivals = Table(
+        names.arrivals,
+        md,
+        Column("ordering_key", Text, primary_key=True),
+        Column("first_seq", BigInteger, nullable=False),
+        Column("due_at", DateTime(timezone=True), nullable=False, server_default=now),
+        schema=schema,
+    )
+    return OutboxTables(md, events, keys, seqs, arrivals)
 
 
 _default = build_tables()
@@ -125,3 +134,4 @@ metadata = _default.metadata
 outbox_events = _default.events
 outbox_keys = _default.keys
 outbox_key_seq = _default.seqs
+outbox_arrivals = _default.arrivals

@@ -24,6 +24,8 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from outbox_kafka import Event, Outbox
+from outbox_kafka.naming import TableNames
+from outbox_kafka.queries import queries_for
 from outbox_kafka.relay import CycleReport, Relay
 from outbox_kafka.settings import RelaySettings
 
@@ -65,6 +67,15 @@ def enqueue_bulk(
         with engine.begin() as conn:
             ids.extend(str(i) for i in outbox.enqueue_many(conn, events[start : start + chunk]))
     return ids
+
+
+def admit_arrivals(engine: sa.Engine, names: TableNames | None = None) -> None:
+    """Move every key producers queued into the relay's key queue, as a claim does first.
+
+    For tests that set up a key's queue row by hand right after an enqueue.
+    """
+    with engine.begin() as conn:
+        conn.execute(queries_for(names or TableNames())["admit_arrivals"], {"admit_limit": 10**9})
 
 
 def seq_events(topic: str, keys: Sequence[str], count: int, *, type: str = "t.e") -> list[Event]:

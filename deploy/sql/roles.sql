@@ -21,6 +21,7 @@
 \set table outbox
 \endif
 \set keys_table :table '_keys'
+\set arrivals_table :table '_arrivals'
 \set seqs_table :table '_key_seq'
 \set versions_table :table '_migrations'
 
@@ -36,9 +37,14 @@ GRANT SELECT, DELETE ON :"schema".:"table" TO :"relay_role";
 GRANT UPDATE (status, attempts, available_at, claim_token, delivered_at, kafka_partition,
               kafka_offset, last_error)
     ON :"schema".:"table" TO :"relay_role";
-GRANT SELECT, DELETE ON :"schema".:"keys_table" TO :"relay_role";
+-- It moves the keys producers queued from the arrivals into its key queue
+-- (admit_arrivals: SELECT ... FOR UPDATE SKIP LOCKED, which asks UPDATE
+-- privilege on one column, then DELETE; the relay never changes an arrival).
+GRANT SELECT, INSERT (ordering_key, next_seq, due_at), DELETE
+    ON :"schema".:"keys_table" TO :"relay_role";
 GRANT UPDATE (next_seq, due_at, claim_token, lease_expires_at, parked_at)
     ON :"schema".:"keys_table" TO :"relay_role";
+GRANT SELECT, DELETE, UPDATE (due_at) ON :"schema".:"arrivals_table" TO :"relay_role";
 -- finish_batch locks a key's counter (SELECT ... FOR UPDATE) while it decides
 -- whether the key may leave the queue; PostgreSQL asks UPDATE privilege on one
 -- column for that lock. The relay never changes a counter.
@@ -48,12 +54,14 @@ GRANT SELECT ON :"schema".:"versions_table" TO :"relay_role";
 
 -- name: grant_producer
 -- enqueue inserts the event, moves its key's counter (INSERT ... ON CONFLICT
--- DO UPDATE ... RETURNING) and queues the key (INSERT ... ON CONFLICT DO
--- NOTHING). A producer reads nothing of any event, its own or another
--- service's: not the payload, the headers, the topic, nor the status.
+-- DO UPDATE ... RETURNING) and queues the key among the arrivals (INSERT ...
+-- ON CONFLICT DO NOTHING). A producer reads nothing of any event, its own or
+-- another service's: not the payload, the headers, the topic, nor the status;
+-- and it neither reads nor writes the relay's key queue. The wake lock it
+-- tries is an advisory lock, which needs no grant.
 GRANT INSERT (event_id, ordering_key, seq, topic, type, value, headers, available_at)
     ON :"schema".:"table" TO :"producer_role";
 GRANT SELECT (ordering_key, last_seq), INSERT (ordering_key, last_seq), UPDATE (last_seq)
     ON :"schema".:"seqs_table" TO :"producer_role";
-GRANT SELECT (ordering_key), INSERT (ordering_key, next_seq, due_at)
-    ON :"schema".:"keys_table" TO :"producer_role";
+GRANT SELECT (ordering_key), INSERT (ordering_key, first_seq, due_at)
+    ON :"schema".:"arrivals_table" TO :"producer_role";

@@ -7,8 +7,15 @@
 -- The per-key counters are taken in key order (no deadlock between two
 -- batches), and held until the caller commits: sequence order is commit order.
 -- Each distinct key comes once (:key_names, with its number of events in the
--- batch and the delay of its first event), so its counter and queue row are
--- written once per batch. Each event comes with how many events of its key
+-- batch and the delay of its first event), so its counter and arrival are
+-- written once per batch. The key goes to {arrivals}, never to the relay's
+-- key queue: see 0002_arrivals.sql. The notify is sent only while a relay
+-- waits idle: such a relay holds the wake lock (:wake_lock) exclusively, so
+-- the shared try fails. Otherwise the try takes the lock, shared, until the
+-- commit, and a relay about to go idle waits for this transaction to end
+-- before it looks for work one last time (Store.announce_idle): no event is
+-- left unseen, and a busy relay costs writers no notify at all. NOTIFY
+-- serialises the commits that send one, cluster-wide. Each event comes with how many events of its key
 -- follow it in the batch (:behind): the last one gets the key's new last_seq,
 -- and no grouping, sorting or numbering of rows is left to do here. The values
 -- come as one bytea, cut by :value_starts and :value_lengths, and the headers
@@ -53,8 +60,8 @@ WITH batch_keys AS (
     ) WITH ORDINALITY AS i(event_id, ordering_key, behind, topic, type, value_start,
                            value_length, available_at, delay, ord)
     JOIN counters c ON c.ordering_key = i.ordering_key
-), heads AS (
-    INSERT INTO {keys} (ordering_key, next_seq, due_at)
+), arrived AS (
+    INSERT INTO {arrivals} (ordering_key, first_seq, due_at)
     SELECT c.ordering_key,
            c.last_seq - k.n + 1,
            COALESCE(k.available_at, now() + make_interval(secs => k.delay), now())
@@ -63,11 +70,14 @@ WITH batch_keys AS (
     ORDER BY c.ordering_key
     ON CONFLICT (ordering_key) DO NOTHING
 )
-SELECT CASE WHEN :notify THEN pg_notify(:channel, '') END AS notified;
+SELECT CASE WHEN :notify THEN
+           CASE WHEN NOT pg_try_advisory_xact_lock_shared(:wake_lock)
+                THEN pg_notify(:channel, '') END
+       END AS notified;
 
 -- name: enqueue_one
 -- The enqueue statement for a single event: the same writes (counter, event,
--- queue row, notify) without arrays, and so less to parse and plan than the
+-- arrival, wake-up) without arrays, and so less to parse and plan than the
 -- batch statement with one-element arrays (about 0.6x the time, measured).
 WITH counter AS (
     INSERT INTO {seqs} AS s (ordering_key, last_seq)
@@ -88,8 +98,8 @@ WITH counter AS (
                     now() + make_interval(secs => CAST(:delay_seconds AS double precision)),
                     now())
     FROM counter c
-), head AS (
-    INSERT INTO {keys} (ordering_key, next_seq, due_at)
+), arrived AS (
+    INSERT INTO {arrivals} (ordering_key, first_seq, due_at)
     SELECT :ordering_key,
            c.last_seq,
            COALESCE(CAST(:available_at AS timestamptz),
@@ -98,7 +108,30 @@ WITH counter AS (
     FROM counter c
     ON CONFLICT (ordering_key) DO NOTHING
 )
-SELECT CASE WHEN :notify THEN pg_notify(:channel, '') END AS notified;
+SELECT CASE WHEN :notify THEN
+           CASE WHEN NOT pg_try_advisory_xact_lock_shared(:wake_lock)
+                THEN pg_notify(:channel, '') END
+       END AS notified;
+
+-- name: admit_arrivals
+-- Moves up to :admit_limit keys from {arrivals} into the key queue: a key the
+-- queue holds already keeps its row (its next_seq is at or below the arrival's
+-- first_seq, or the arrival's events are done); a new one comes with the
+-- arrival's first_seq and due time. Rows a concurrent relay is moving are
+-- skipped. Sent with claim_keys in one round trip, as its own statement, so
+-- that claim_keys sees the keys moved.
+WITH picked AS (
+    SELECT ordering_key FROM {arrivals}
+    LIMIT :admit_limit
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM {arrivals} a
+    WHERE a.ordering_key = ANY(ARRAY(SELECT ordering_key FROM picked))
+    RETURNING a.ordering_key, a.first_seq, a.due_at
+)
+INSERT INTO {keys} (ordering_key, next_seq, due_at)
+SELECT ordering_key, first_seq, due_at FROM moved ORDER BY ordering_key
+ON CONFLICT (ordering_key) DO NOTHING;
 
 -- name: claim_keys
 -- Claims up to :max_keys due keys (skipping keys another relay is claiming)
@@ -352,14 +385,53 @@ FROM {events} WHERE status = 'pending';
 -- key with work, however many events they hold. Exact unless events were
 -- recorded out of turn (delivered behind a held-back retry, left behind by
 -- unpark_keys), which are counted until their key moves past them.
+-- Keys still among the arrivals count from their arrival's first_seq.
+WITH queued AS (
+    SELECT ordering_key, next_seq, parked_at FROM {keys}
+    UNION ALL
+    SELECT a.ordering_key, a.first_seq, NULL FROM {arrivals} a
+    WHERE NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = a.ordering_key)
+)
 SELECT COALESCE(sum(GREATEST(0, s.last_seq - k.next_seq + 1
                                - CASE WHEN k.parked_at IS NULL THEN 0 ELSE 1 END)), 0)
        AS pending
-FROM {keys} k
+FROM queued k
 JOIN {seqs} s ON s.ordering_key = k.ordering_key;
 
 -- name: parked_key_count
 SELECT count(*) AS parked FROM {keys} WHERE parked_at IS NOT NULL;
+
+-- ===========================================================================
+-- Wake-ups: a relay with nothing to do holds the outbox's wake lock
+-- exclusively, on its LISTEN connection, while it waits; a producer's enqueue
+-- notifies only when its shared try of the same lock fails (see enqueue).
+-- ===========================================================================
+
+-- name: wake_lock_timeout
+-- How long announce_idle waits for the producers that hold the wake lock
+-- shared (those that committed no notify) to end (milliseconds, as text).
+SELECT set_config('lock_timeout', :milliseconds, false);
+
+-- name: announce_idle
+SELECT pg_advisory_lock(:wake_lock);
+
+-- name: announce_busy
+SELECT pg_advisory_unlock(:wake_lock);
+
+-- name: wake_lock_held_by_relay
+-- Whether another relay of this database holds the wake lock (exclusively,
+-- granted): it is idle and producers notify. A bigint advisory lock shows as
+-- its high and low 32 bits in classid and objid, with objsubid 1.
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory'
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = CAST(:lock_high AS oid)
+      AND objid = CAST(:lock_low AS oid)
+      AND objsubid = 1
+      AND mode = 'ExclusiveLock'
+      AND granted
+) AS held;
 
 -- name: statement_timeout
 -- Bounds the statements of the current transaction (milliseconds, as text).
@@ -413,10 +485,13 @@ ORDER BY 1, 2;
 
 -- name: stats_backlog
 -- Age of the oldest pending event (through the pending index) and the key
--- queue at a glance: keys with work, keys leased by a relay, parked keys.
+-- queue at a glance: keys with work (those among the arrivals included),
+-- keys leased by a relay, parked keys.
 SELECT (SELECT EXTRACT(EPOCH FROM now() - min(created_at))
         FROM {events} WHERE status = 'pending') AS oldest_pending_age,
-       count(*) AS keys_queued,
+       count(*) + (SELECT count(*) FROM {arrivals} a
+                   WHERE NOT EXISTS (SELECT 1 FROM {keys} k
+                                     WHERE k.ordering_key = a.ordering_key)) AS keys_queued,
        count(*) FILTER (WHERE claim_token IS NOT NULL AND lease_expires_at > now()) AS keys_leased,
        count(*) FILTER (WHERE parked_at IS NOT NULL) AS keys_parked
 FROM {keys};
@@ -548,13 +623,14 @@ SELECT (SELECT count(*) FROM {events}
 -- ===========================================================================
 
 -- name: consistency_unqueued_pending
--- A pending event whose key has no row in the key queue: no relay will ever
--- claim it.
+-- A pending event whose key has no row in the key queue nor among the
+-- arrivals: no relay will ever claim it.
 SELECT e.ordering_key, CAST(e.event_id AS text) AS event_id,
        'pending event seq ' || e.seq || ' and its key has no queue row' AS detail
 FROM {events} e
 WHERE e.status = 'pending'
   AND NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = e.ordering_key)
+  AND NOT EXISTS (SELECT 1 FROM {arrivals} a WHERE a.ordering_key = e.ordering_key)
 ORDER BY e.ordering_key, e.seq
 LIMIT :limit;
 
@@ -618,7 +694,8 @@ LIMIT :limit;
 
 -- name: consistency_violation_count
 -- The relay sampler's cheap count of the checks above that matter most: keys
--- whose first pending event is unreachable (no queue row, or below next_seq),
+-- whose first pending event is unreachable (no queue row nor arrival, or
+-- below next_seq),
 -- plus queue rows without a counter, past it, or with a half-set lease. The
 -- pending keys are found by a skip scan of the claim index (one probe per key
 -- with pending events), so the cost grows with the keys that have work, not
@@ -641,7 +718,10 @@ WITH RECURSIVE pending_keys AS (
 SELECT (SELECT count(*)
         FROM pending_keys p
         LEFT JOIN {keys} k ON k.ordering_key = p.ordering_key
-        WHERE k.ordering_key IS NULL OR p.seq < k.next_seq)
+        WHERE (k.ordering_key IS NULL
+               AND NOT EXISTS (SELECT 1 FROM {arrivals} a
+                               WHERE a.ordering_key = p.ordering_key))
+           OR p.seq < k.next_seq)
      + (SELECT count(*)
         FROM {keys} k
         LEFT JOIN {seqs} s ON s.ordering_key = k.ordering_key
@@ -654,7 +734,14 @@ SELECT (SELECT count(*)
 -- by a relay, parked, waiting for a retry (its next event has failed before)
 -- or for a delay, due now, or unreachable (a consistency violation). Also how
 -- many seconds until the first key that is not parked comes due (a lease
--- ends, a backoff or a delay passes), NULL when none will.
+-- ends, a backoff or a delay passes), NULL when none will. A key still among
+-- the arrivals counts as queued from its arrival's first_seq.
+WITH queued AS (
+    SELECT ordering_key, next_seq, due_at, claim_token, lease_expires_at, parked_at FROM {keys}
+    UNION ALL
+    SELECT a.ordering_key, a.first_seq, a.due_at, NULL, NULL, NULL FROM {arrivals} a
+    WHERE NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = a.ordering_key)
+)
 SELECT count(*) AS pending,
        count(*) FILTER (WHERE k.ordering_key IS NULL OR e.seq < k.next_seq) AS unreachable,
        count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NOT NULL) AS parked,
@@ -673,7 +760,7 @@ SELECT count(*) AS pending,
                                                        AND k.parked_at IS NULL) - now())
             AS double precision) AS next_due_seconds
 FROM {events} e
-LEFT JOIN {keys} k ON k.ordering_key = e.ordering_key
+LEFT JOIN queued k ON k.ordering_key = e.ordering_key
 LEFT JOIN {events} h
        ON h.ordering_key = k.ordering_key AND h.seq = k.next_seq AND h.status = 'pending'
 WHERE e.status = 'pending';

@@ -76,7 +76,13 @@ def applied_versions(url: str, names: TableNames | None = None) -> list[tuple[in
         engine.dispose()
 
 
-OUTBOX_TABLES = ["outbox", "outbox_key_seq", "outbox_keys", "outbox_migrations"]
+OUTBOX_TABLES = [
+    "outbox",
+    "outbox_arrivals",
+    "outbox_key_seq",
+    "outbox_keys",
+    "outbox_migrations",
+]
 
 
 def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str]) -> None:
@@ -85,7 +91,7 @@ def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str
 
     first = run_cli("migrate", database_url=url)
     assert first.returncode == 0, first.stderr
-    assert "applied migrations [1]" in first.stdout
+    assert "applied migrations [1, 2]" in first.stdout
     assert "public.outbox" in first.stdout
     assert relations(url) == OUTBOX_TABLES
 
@@ -93,7 +99,7 @@ def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str
     assert second.returncode == 0, second.stderr
     assert "up to date" in second.stdout
     assert "applied" not in second.stdout
-    assert applied_versions(url) == [(1, "initial")]
+    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
 
 
 def test_database_url_flag(empty_database: Callable[[], str]) -> None:
@@ -128,9 +134,9 @@ def test_concurrent_migrations_apply_once(empty_database: Callable[[], str], rou
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err
     stdouts = sorted(out for out, _ in outputs)
-    assert sum("applied migrations [1]" in out for out in stdouts) == 1, stdouts
+    assert sum("applied migrations [1, 2]" in out for out in stdouts) == 1, stdouts
     assert sum("up to date" in out for out in stdouts) == 1, stdouts
-    assert applied_versions(url) == [(1, "initial")]
+    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
     assert relations(url) == OUTBOX_TABLES
 
 
@@ -186,11 +192,11 @@ def test_print_sql_runs_in_psql_and_is_idempotent(empty_database: Callable[[], s
     assert first.returncode == 0, first.stderr
     assert "ERROR" not in first.stderr
     assert relations(url) == OUTBOX_TABLES
-    assert applied_versions(url) == [(1, "initial")]
+    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
 
     second = _psql(url, script)
     assert second.returncode == 0, second.stderr
-    assert applied_versions(url) == [(1, "initial")]
+    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
 
     # The CLI agrees the database is up to date.
     result = run_cli("migrate", database_url=url)
@@ -203,7 +209,7 @@ def test_print_sql_after_cli_migrate_is_a_no_op(empty_database: Callable[[], str
     assert run_cli("migrate", database_url=url).returncode == 0
     result = _psql(url, run_cli("migrate", "--print-sql").stdout)
     assert result.returncode == 0, result.stderr
-    assert applied_versions(url) == [(1, "initial")]
+    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
 
 
 def test_print_sql_schema_matches_cli_migrate(empty_database: Callable[[], str]) -> None:
@@ -261,20 +267,21 @@ def test_custom_table_and_schema(empty_database: Callable[[], str], via: str) ->
     assert "app.orders_outbox" in result.stdout
     assert relations(url, "app") == [
         "orders_outbox",
+        "orders_outbox_arrivals",
         "orders_outbox_key_seq",
         "orders_outbox_keys",
         "orders_outbox_migrations",
     ]
     assert relations(url, "public") == []
     names = TableNames(table="orders_outbox", schema="app")
-    assert applied_versions(url, names) == [(1, "initial")]
+    assert applied_versions(url, names) == [(1, "initial"), (2, "arrivals")]
 
     again = run_cli("migrate", "--table", "orders_outbox", "--db-schema", "app", database_url=url)
     assert again.returncode == 0, again.stderr
     assert "up to date" in again.stdout
     # The default outbox is a separate outbox in the same database.
     default = run_cli("migrate", database_url=url)
-    assert "applied migrations [1]" in default.stdout
+    assert "applied migrations [1, 2]" in default.stdout
     assert relations(url, "public") == OUTBOX_TABLES
 
 

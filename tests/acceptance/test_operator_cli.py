@@ -26,6 +26,7 @@ from tests.operator_support import (
     snapshot,
 )
 from tests.relay_support import (
+    admit_arrivals,
     consume_all,
     enqueue_bulk,
     per_key_order,
@@ -121,7 +122,11 @@ def test_stats_json_and_table_match_the_outbox(
     )
     assert 0 < doc["oldest_pending_age_seconds"] <= float(oldest)
     assert doc["keys"] == {
-        "queued": scalar(engine, "SELECT count(*) FROM outbox_keys"),
+        "queued": scalar(
+            engine,
+            "SELECT count(*) FROM (SELECT ordering_key FROM outbox_keys "
+            "UNION SELECT ordering_key FROM outbox_arrivals) q",
+        ),
         "leased": 0,
     }
     error = scalar(
@@ -421,7 +426,7 @@ def test_check_passes_on_a_good_set_up(url: str, kafka_bootstrap: str) -> None:
     assert list(lines) == ["settings", "schemas", "database", "migrations", "kafka"]
     assert all(line.startswith("OK ") for line in text.strip().splitlines()), text
     assert "3 event types" in lines["schemas"][1]
-    assert "version 1 (current)" in lines["migrations"][1]
+    assert "version 2 (current)" in lines["migrations"][1]
     assert kafka_bootstrap in lines["kafka"][1]
     assert SECRET not in text and "***" in lines["database"][1]
 
@@ -430,6 +435,7 @@ def test_check_consistency_passes_then_fails_on_a_doctored_table(
     url: str, engine: sa.Engine, new_topic: Callable[..., str]
 ) -> None:
     ids = enqueue_bulk(engine, topic_outbox(), seq_events(new_topic(1), ["a", "b"], 4))
+    admit_arrivals(engine)
     code, lines, text = _check("--consistency", OUTBOX_DATABASE_URL=url)
     assert code == 0, text
     assert list(lines) == ["database", "migrations"]
@@ -589,7 +595,7 @@ def test_operator_commands_on_a_custom_table(url: str, kafka_bootstrap: str) -> 
         OUTBOX_TABLE="ops_outbox",
         OUTBOX_DB_SCHEMA="ops",
     )
-    assert lines["migrations"] == (True, "ops.ops_outbox is at version 1 (current)")
+    assert lines["migrations"] == (True, "ops.ops_outbox is at version 2 (current)")
     assert code == 0
     result = run_cli("stats", "--table", "missing_outbox", OUTBOX_DATABASE_URL=url)
     assert result.returncode == 2

@@ -26,6 +26,7 @@ from outbox_kafka.relay import Relay
 from outbox_kafka.settings import RelaySettings
 from outbox_kafka.store import EventOutcome, KeyOutcome, Store
 from tests.relay_support import (
+    admit_arrivals,
     consume_all,
     enqueue_bulk,
     make_settings,
@@ -48,6 +49,7 @@ def _events(engine: sa.Engine, topic: str, count: int) -> list[str]:
 
 def _discard_first(engine: sa.Engine, event_id: str) -> None:
     """The state a relay in continue mode leaves: seq 1 discarded, the key moved on to seq 2."""
+    admit_arrivals(engine)
     with engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -275,6 +277,7 @@ def test_a_requeue_of_a_key_without_a_queue_row_sees_a_park_made_meanwhile(
     requeue wrote, and the requeue then unparked it without the parking event."""
     topic = new_topic(partitions=1)
     [first] = _events(engine, topic, 1)
+    admit_arrivals(engine)
     with engine.begin() as conn:  # the relay discarded it; the key left the queue
         conn.execute(
             sa.text("UPDATE outbox SET status = 'discarded', last_error = 'test'"),
@@ -284,8 +287,10 @@ def test_a_requeue_of_a_key_without_a_queue_row_sees_a_park_made_meanwhile(
     with _held(engine, "SELECT pg_advisory_xact_lock(:id)", id=HOOK_LOCK) as release_hook:
         requeued = _InThread(lambda: requeue(hooked_engine, Selection(event_ids=(first,))))
         _wait_for_waiters(engine, "%now()%")
-        # Meanwhile a writer adds an event of the key, and a relay parks the key on it.
+        # Meanwhile a writer adds an event of the key, and a relay takes the key in
+        # and parks it on that event.
         [second] = _events(engine, topic, 1)
+        admit_arrivals(engine)
         with engine.begin() as conn:
             conn.execute(
                 sa.text(
@@ -397,6 +402,7 @@ def test_the_consistency_check_names_each_doctored_key_and_event(
     engine: sa.Engine, database_url: str, new_topic: Callable[..., str]
 ) -> None:
     ids = _mixed_outbox(engine, new_topic(partitions=1))
+    admit_arrivals(engine)
     with engine.begin() as conn:
         # a: its queue row is gone; b: next_seq moved past two pending events.
         conn.execute(sa.text("DELETE FROM outbox_keys WHERE ordering_key = 'a'"))

@@ -76,7 +76,8 @@ def key_seqs(engine: sa.Engine, table: str = '"outbox_key_seq"') -> dict[str, in
     return {k: s for k, s in rows}
 
 
-def queued_keys(engine: sa.Engine, table: str = '"outbox_keys"') -> dict[str, dict[str, Any]]:
+def queued_keys(engine: sa.Engine, table: str = '"outbox_arrivals"') -> dict[str, dict[str, Any]]:
+    """The keys producers queued: their arrivals, which the relay moves to its key queue."""
     with engine.connect() as conn:
         rows = conn.execute(sa.text(f"SELECT * FROM {table}")).mappings().all()
     return {row["ordering_key"]: dict(row) for row in rows}
@@ -90,11 +91,11 @@ def seqs_by_key(engine: sa.Engine) -> dict[str, list[tuple[int, uuid.UUID]]]:
 
 
 def count_all(engine: sa.Engine) -> tuple[int, ...]:
-    """Rows in (outbox, outbox_keys, outbox_key_seq)."""
+    """Rows in (outbox, outbox_arrivals, outbox_key_seq)."""
     with engine.connect() as conn:
         return tuple(
             conn.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar_one()
-            for t in ("outbox", "outbox_keys", "outbox_key_seq")
+            for t in ("outbox", "outbox_arrivals", "outbox_key_seq")
         )
 
 
@@ -164,9 +165,8 @@ def test_committed_event_is_stored(engine: sa.Engine, outbox: Outbox) -> None:
     assert key_seqs(engine) == {"order-1": 1}
     [head] = queued_keys(engine).values()
     assert head["ordering_key"] == "order-1"
-    assert head["next_seq"] == 1
+    assert head["first_seq"] == 1
     assert head["due_at"] == row["available_at"]
-    assert head["claim_token"] is None and head["parked_at"] is None
 
 
 def test_rolled_back_enqueue_leaves_nothing(engine: sa.Engine, outbox: Outbox) -> None:
@@ -282,7 +282,7 @@ def test_rolled_back_savepoint_leaves_no_gap(engine: sa.Engine, outbox: Outbox) 
     assert [(r["event_id"], r["seq"]) for r in stored_events(engine)] == [(kept, 1)]
     assert discarded != kept
     assert key_seqs(engine) == {"K": 1}
-    assert queued_keys(engine)["K"]["next_seq"] == 1
+    assert queued_keys(engine)["K"]["first_seq"] == 1
 
 
 def test_released_savepoint_keeps_its_event(engine: sa.Engine, outbox: Outbox) -> None:
@@ -405,7 +405,7 @@ def test_concurrent_writers_keep_per_key_commit_order(engine: sa.Engine, outbox:
     all_ids = {event_id for rows in stored.values() for _, event_id in rows}
     assert all_ids.isdisjoint(rolled_back)
     assert len(all_ids) == len(committed)
-    assert {k: v["next_seq"] for k, v in queued_keys(engine).items()} == dict.fromkeys(stored, 1)
+    assert {k: v["first_seq"] for k, v in queued_keys(engine).items()} == dict.fromkeys(stored, 1)
 
 
 # --- batches ------------------------------------------------------------------------------
@@ -509,7 +509,7 @@ def test_enqueue_many_with_event_ids_uses_a_savepoint(
 def shared_engine(module_engine: sa.Engine) -> sa.Engine:
     """The module's database, emptied: cheaper than a database per bad-input case."""
     with module_engine.begin() as conn:
-        for table in ("outbox", "outbox_keys", "outbox_key_seq"):
+        for table in ("outbox", "outbox_arrivals", "outbox_key_seq"):
             conn.execute(sa.text(f"DELETE FROM {table}"))
     return module_engine
 
@@ -732,12 +732,20 @@ def _notifications(conn: psycopg2.extensions.connection, timeout: float) -> list
     return got
 
 
-def test_commit_notifies_and_rollback_does_not(
+def _idle_relay(database_url: str, outbox: Outbox) -> psycopg2.extensions.connection:
+    """A session that listens and holds the wake lock, as an idle relay does."""
+    conn = _listener(database_url, outbox.names.channel)
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_advisory_lock(%s)", (outbox.names.lock_id("wake"),))
+    return conn
+
+
+def test_commit_notifies_an_idle_relay_and_rollback_does_not(
     engine: sa.Engine, database_url: str, outbox: Outbox
 ) -> None:
     channel = Outbox().names.channel
     assert channel == "outbox_kafka.public.outbox"
-    listener = _listener(database_url, channel)
+    listener = _idle_relay(database_url, outbox)
     try:
         with engine.connect() as conn:
             with conn.begin() as tx:
@@ -755,9 +763,26 @@ def test_commit_notifies_and_rollback_does_not(
         listener.close()
 
 
+def test_no_notify_while_no_relay_waits_idle(
+    engine: sa.Engine, database_url: str, outbox: Outbox
+) -> None:
+    # Listening, as a busy relay does, but not holding the wake lock: NOTIFY, which
+    # serialises the commits that send one, is left out.
+    listener = _listener(database_url, outbox.names.channel)
+    try:
+        with engine.begin() as conn:
+            outbox.enqueue(conn, **valid_event())
+        with engine.begin() as conn:
+            outbox.enqueue_many(conn, [Event(**valid_event()), Event(**valid_event(key="b"))])
+        assert _notifications(listener, 0.5) == []
+    finally:
+        listener.close()
+    assert len(stored_events(engine)) == 3
+
+
 def test_notify_can_be_turned_off(engine: sa.Engine, database_url: str) -> None:
     quiet = Outbox(schema_dir=EVENT_SCHEMAS, routes={"order.*": "orders"}, notify=False)
-    listener = _listener(database_url, quiet.names.channel)
+    listener = _idle_relay(database_url, quiet)
     try:
         with engine.begin() as conn:
             quiet.enqueue(conn, **valid_event())
@@ -778,7 +803,7 @@ def test_custom_table_and_schema(engine: sa.Engine) -> None:
         event_id = box.enqueue(conn, type="x", key="K", data={"a": 1})
     assert [r["event_id"] for r in stored_events(engine, '"app"."orders_outbox"')] == [event_id]
     assert key_seqs(engine, '"app"."orders_outbox_key_seq"') == {"K": 1}
-    assert list(queued_keys(engine, '"app"."orders_outbox_keys"')) == ["K"]
+    assert list(queued_keys(engine, '"app"."orders_outbox_arrivals"')) == ["K"]
     assert count_all(engine) == (0, 0, 0)
 
 

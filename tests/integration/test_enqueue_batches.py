@@ -74,9 +74,8 @@ def test_awkward_keys_and_types_are_stored_exactly(engine: sa.Engine) -> None:
         assert [stored[i]["seq"] for i in given] == list(range(1, len(given) + 1))
     counts = {k: sum(e.key == k for e in batch) for k in set(e.key for e in batch)}
     assert {k: v["last_seq"] for k, v in table(engine, "outbox_key_seq").items()} == counts
-    assert {k: v["next_seq"] for k, v in table(engine, "outbox_keys").items()} == dict.fromkeys(
-        counts, 1
-    )
+    arrivals = table(engine, "outbox_arrivals")
+    assert {k: v["first_seq"] for k, v in arrivals.items()} == dict.fromkeys(counts, 1)
 
 
 def test_values_and_headers_of_any_size_come_back_byte_for_byte(engine: sa.Engine) -> None:
@@ -121,7 +120,7 @@ def test_delays_on_some_events_of_a_key(engine: sa.Engine) -> None:
 
     by_data = {json.loads(row["value"])["data"]: row for row in rows(engine)}
     assert [by_data[n]["available_at"] for n in range(5)] == [later, now, now, sooner, now]
-    heads = table(engine, "outbox_keys")
+    heads = table(engine, "outbox_arrivals")
     assert heads["delayed-first"]["due_at"] == later
     assert heads["plain-first"]["due_at"] == now
     assert heads["never"]["due_at"] == now
@@ -148,8 +147,8 @@ def test_a_batch_continues_sequences_and_keeps_queue_rows(engine: sa.Engine) -> 
         "b": 3,
         "c": 1,
     }
-    # A key already queued keeps its queue row; a new key starts at 1.
-    assert {k: v["next_seq"] for k, v in table(engine, "outbox_keys").items()} == {
+    # A key already queued keeps its arrival; a new key starts at 1.
+    assert {k: v["first_seq"] for k, v in table(engine, "outbox_arrivals").items()} == {
         "a": 1,
         "b": 1,
         "c": 1,
@@ -180,5 +179,5 @@ def test_one_event_is_written_by_the_single_event_statement(engine: sa.Engine) -
         ('k"1', 2),
         ("k2", 1),
     ]
-    heads = table(engine, "outbox_keys")
-    assert heads['k"1']["due_at"] == later and heads['k"1']["next_seq"] == 1
+    heads = table(engine, "outbox_arrivals")
+    assert heads['k"1']["due_at"] == later and heads['k"1']["first_seq"] == 1

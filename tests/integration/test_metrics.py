@@ -28,6 +28,7 @@ from outbox_kafka.sampler import BacklogSampler
 from outbox_kafka.settings import RelaySettings
 from tests.outage_support import DatabaseSwitch
 from tests.relay_support import (
+    admit_arrivals,
     delivered_count,
     enqueue_bulk,
     make_settings,
@@ -344,6 +345,7 @@ def test_backlog_gauges_follow_pending_events_their_age_and_parked_keys(
 
         # A pending event whose key left the queue: no relay would ever reach it.
         enqueue_bulk(engine, outbox, seq_events(topic, ["s"], 2))
+        admit_arrivals(engine)
         with engine.begin() as conn:
             conn.execute(sa.text("DELETE FROM outbox_keys WHERE ordering_key = 's'"))
         sampler.sample_once()

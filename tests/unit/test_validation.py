@@ -168,7 +168,7 @@ def test_enqueue_statement_targets_the_configured_tables() -> None:
     names = TableNames(table="orders_outbox", schema="app")
     sql = queries_for(names).sql["enqueue"]
     assert '"app"."orders_outbox"' in sql
-    assert '"app"."orders_outbox_keys"' in sql
+    assert '"app"."orders_outbox_arrivals"' in sql
     assert '"app"."orders_outbox_key_seq"' in sql
     assert '"public"' not in sql
     assert "pg_notify" in sql

@@ -1,0 +1,183 @@
+"""Writers collide only with writers: a REPEATABLE READ or SERIALIZABLE producer
+whose key a relay claims, records or removes after the producer's snapshot still
+commits; two producers of one key still fail to serialize, as before."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psycopg2.errors
+import pytest
+import sqlalchemy as sa
+
+from outbox_kafka import Event, Outbox, migrate
+from outbox_kafka.naming import TableNames
+from outbox_kafka.operations import check_consistency
+from outbox_kafka.queries import queries_for
+from outbox_kafka.relay import Relay
+from outbox_kafka.store import EventOutcome, KeyOutcome, Store
+from tests.relay_support import (
+    admit_arrivals,
+    consume_all,
+    enqueue_bulk,
+    make_settings,
+    per_key_order,
+    rows,
+    topic_outbox,
+)
+
+KEY = "k-iso"
+LEVELS = ["REPEATABLE READ", "SERIALIZABLE"]
+
+
+def _relay_claims(store: Store) -> None:
+    """Lease the key and read its first event; the lease stays."""
+    [key] = store.claim(batch_size=1, lease_seconds=30).keys
+    assert key.key == KEY and len(key.events) == 1
+
+
+def _relay_records(store: Store) -> None:
+    """Claim the key's first event and record it delivered: the key row moves on."""
+    claim = store.claim(batch_size=1, lease_seconds=30)
+    [key] = claim.keys
+    event = key.events[0]
+    store.finish(
+        claim.token,
+        [KeyOutcome(KEY, event.seq + 1, 0.0, False, False)],
+        [EventOutcome(event.event_id, KEY, "delivered", 0, 0.0, 0, 0, None)],
+    )
+
+
+def _relay_parks(store: Store) -> None:
+    """Claim the key's first event and park the key on it."""
+    claim = store.claim(batch_size=1, lease_seconds=30)
+    [key] = claim.keys
+    event = key.events[0]
+    store.finish(
+        claim.token,
+        [KeyOutcome(KEY, event.seq, 0.0, True, False)],
+        [EventOutcome(event.event_id, KEY, "discarded", 1, 0.0, None, None, "test")],
+    )
+
+
+RELAY_STEPS: dict[str, Callable[[Store], None]] = {
+    "claims": _relay_claims,
+    "records": _relay_records,
+    "parks": _relay_parks,
+}
+
+
+@pytest.mark.parametrize("step", list(RELAY_STEPS))
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_writer_commits_whatever_a_relay_did_to_its_key_after_its_snapshot(
+    engine: sa.Engine, database_url: str, level: str, step: str
+) -> None:
+    outbox = topic_outbox()
+    enqueue_bulk(engine, outbox, [Event(type="t", key=KEY, data=n, topic="t") for n in range(2)])
+    store = Store(database_url, TableNames())
+    try:
+        admit_arrivals(engine)  # the key is in the relay's queue
+        with engine.connect() as writer_conn:
+            writer = writer_conn.execution_options(isolation_level=level)
+            writer.execute(sa.text("SELECT 1"))  # the writer's snapshot
+            RELAY_STEPS[step](store)
+            outbox.enqueue(writer, type="t", key=KEY, data=2, topic="t")
+            writer.commit()
+    finally:
+        store.close()
+    assert [r[0] for r in rows(engine, "SELECT seq FROM outbox ORDER BY seq")] == [1, 2, 3]
+    assert check_consistency(engine).ok
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_writer_commits_after_a_relay_drained_its_key_and_its_event_is_sent(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+    level: str,
+) -> None:
+    topic = new_topic(partitions=1)
+    outbox = topic_outbox()
+    [first] = enqueue_bulk(engine, outbox, [Event(type="t", key=KEY, data=0, topic=topic)])
+    relay = Relay(make_settings(database_url, kafka_bootstrap))
+    try:
+        with engine.connect() as writer_conn:
+            writer = writer_conn.execution_options(isolation_level=level)
+            writer.execute(sa.text("SELECT 1"))
+            # The relay sends the key's only event and removes the key from its queue.
+            assert relay.drain().delivered == 1
+            second = outbox.enqueue(writer, type="t", key=KEY, data=1, topic=topic)
+            writer.commit()
+        assert relay.drain().delivered == 1
+    finally:
+        relay.close()
+    records = consume_all(kafka_bootstrap, topic, 2)
+    assert per_key_order(records) == {KEY: [first, str(second)]}
+    assert check_consistency(engine).ok
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_two_writers_of_one_key_still_fail_to_serialize(engine: sa.Engine, level: str) -> None:
+    outbox: Outbox = topic_outbox()
+    with engine.connect() as a_conn, engine.connect() as b_conn:
+        a = a_conn.execution_options(isolation_level=level)
+        b = b_conn.execution_options(isolation_level=level)
+        a.execute(sa.text("SELECT 1"))
+        b.execute(sa.text("SELECT 1"))
+        outbox.enqueue(a, type="t", key=KEY, data=0, topic="t")
+        a.commit()
+        with pytest.raises(sa.exc.OperationalError) as caught:
+            outbox.enqueue(b, type="t", key=KEY, data=1, topic="t")
+        assert isinstance(caught.value.orig, psycopg2.errors.SerializationFailure)
+        b.rollback()
+
+
+def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """Keys queued the version-1 way (producers wrote the relay's key queue) are still
+    sent after the migration that adds the arrivals, before and with new events."""
+    topic = new_topic(partitions=1)
+    names = TableNames(table="legacy")
+    outbox = Outbox(allow_unknown_types=True, table="legacy")
+    q = queries_for(names)
+    old_events = [outbox.encode(Event(type="t", key=KEY, data=n, topic=topic)) for n in (0, 1)]
+    with engine.begin() as conn:
+        conn.execute(q["create_versions_table"])
+        first = q.migrations()[0]
+        assert first.version == 1
+        conn.execute(sa.text(first.sql))
+        conn.execute(q["record_version"], {"version": 1, "name": first.name})
+        # What a version-1 enqueue wrote: the event, the counter, the queue row.
+        for seq, encoded in enumerate(old_events, start=1):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO legacy (event_id, ordering_key, seq, topic, type, value, headers) "
+                    "VALUES (:id, :k, :seq, :topic, 't', :value, CAST(:headers AS jsonb))"
+                ),
+                {
+                    "id": str(encoded.event_id),
+                    "k": KEY,
+                    "seq": seq,
+                    "topic": topic,
+                    "value": encoded.value,
+                    "headers": encoded.stored_headers,
+                },
+            )
+        conn.execute(sa.text("INSERT INTO legacy_key_seq VALUES (:k, 2)"), {"k": KEY})
+        conn.execute(
+            sa.text("INSERT INTO legacy_keys (ordering_key, next_seq) VALUES (:k, 1)"), {"k": KEY}
+        )
+    assert migrate(engine, names).applied == [2]
+    with engine.begin() as conn:
+        third = outbox.enqueue(conn, type="t", key=KEY, data=2, topic=topic)
+        outbox.enqueue(conn, type="t", key="other", data=0, topic=topic)
+    relay = Relay(make_settings(database_url, kafka_bootstrap, table="legacy"))
+    try:
+        assert relay.drain().delivered == 4
+    finally:
+        relay.close()
+    records = consume_all(kafka_bootstrap, topic, 4)
+    assert per_key_order(records)[KEY] == [*(str(e.event_id) for e in old_events), str(third)]
+    assert check_consistency(engine, names).ok
