@@ -24,7 +24,7 @@ from pathlib import Path
 from outbox_kafka.database import normalise_url, redact_url
 from outbox_kafka.embedded import EmbeddedBroker, start_broker, start_postgres
 
-from . import backlog, hotkey, latency, plots, producer, relay
+from . import backlog, business, hotkey, latency, plots, producer, relay, wakeups
 from .common import (
     DEFAULT_RUNS,
     QUICK_RUNS,
@@ -55,6 +55,12 @@ BENCHES: list[Bench] = [
         "cost per event of enqueue / enqueue_many against plain INSERTs of the same bytes",
     ),
     Bench(
+        business.NAME,
+        business.run,
+        "a business transaction (one row plus one event) with enqueue against a plain INSERT "
+        "of the same bytes: latency with 1 writer, transactions/s with 8 and 16",
+    ),
+    Bench(
         relay.NAME,
         relay.run,
         "raw producer, naive loop and relay x1 at 200 B / 2 KiB / 20 KiB; relay x1/x2/x4 "
@@ -73,6 +79,13 @@ BENCHES: list[Bench] = [
         "claim and oldest-pending statements at 10,000 and 1,000,000 pending events",
     ),
     Bench(
+        wakeups.NAME,
+        wakeups.run,
+        "the server's notification queue sampled while a relay drains 200,000 events and "
+        "writers keep writing",
+        needs_kafka=True,
+    ),
+    Bench(
         latency.NAME,
         latency.run,
         "commit-to-ack latency at 100, 1,000 and 5,000 events/s, LISTEN on and off",
@@ -81,7 +94,7 @@ BENCHES: list[Bench] = [
 ]
 
 #: Names for several sections at once.
-GROUPS = {"relay": [relay.NAME, hotkey.NAME, backlog.NAME, latency.NAME]}
+GROUPS = {"relay": [relay.NAME, hotkey.NAME, backlog.NAME, wakeups.NAME, latency.NAME]}
 
 #: Targets of figures whose section does not state them itself: (section, measurement).
 EXTRA_TARGETS = {

@@ -53,7 +53,7 @@ CATCH_UP_SECONDS = 60.0
 READY_SECONDS = 60.0
 POLL_SECONDS = 0.02
 
-TARGET_P99_MS = Target(100.0, at_most=True)
+TARGET_P99_MS = Target(25.0, at_most=True)
 #: Where the p99 target applies.
 TARGET_RATE = 1_000
 

@@ -54,7 +54,7 @@ ROUTES = {"order.*": "orders"}
 PAYLOAD_BYTES = 200
 
 #: Every statement this bench runs itself (the outbox's own are in outbox_kafka/sql).
-#: ``{events}``, ``{keys}`` and ``{seqs}`` are the outbox's quoted table names;
+#: ``{events}``, ``{keys}``, ``{seqs}`` and ``{arrivals}`` are the outbox's quoted table names;
 #: ``{rows}`` is filled with ``plain_row`` once per row number ``{n}``.
 SQL: dict[str, str] = {
     "create_plain_events": """
@@ -68,7 +68,7 @@ SQL: dict[str, str] = {
             created_at    timestamptz DEFAULT now()
         )
     """,
-    "truncate": "TRUNCATE {events}, {keys}, {seqs}, plain_events",
+    "truncate": "TRUNCATE {events}, {keys}, {seqs}, {arrivals}, plain_events",
     "plain_insert": """
         INSERT INTO plain_events (id, k, topic, type, value, headers)
         VALUES (:id, :k, :topic, :type, :value, CAST(:headers AS jsonb))
@@ -89,12 +89,7 @@ Plan = list[list[T]]
 
 def statement(name: str, outbox: Outbox) -> TextClause:
     """A statement of :data:`SQL` with the outbox's table names filled in."""
-    placeholders = outbox.names.placeholders()
-    return text(
-        SQL[name].format(
-            events=placeholders["events"], keys=placeholders["keys"], seqs=placeholders["seqs"]
-        )
-    )
+    return text(SQL[name].format_map(outbox.names.placeholders()))
 
 
 def multirow_statement(rows: int) -> TextClause:

@@ -46,7 +46,7 @@ _TEMPLATE_KEY = key_name(0)
 #: style: it runs them on a raw driver cursor, as the relay runs its own, so
 #: neither pays for SQLAlchemy rows; the others are SQLAlchemy ``:name`` text.
 SQL: dict[str, str] = {
-    "truncate": "TRUNCATE {events}, {keys}, {seqs}",
+    "truncate": "TRUNCATE {events}, {keys}, {seqs}, {arrivals}",
     "analyze": "ANALYZE {events}, {keys}, {seqs}",
     "vacuum_events": "VACUUM (ANALYZE) {events}",
     "vacuum_keys": "VACUUM (ANALYZE) {keys}",
@@ -178,12 +178,7 @@ class Table:
         self.engine: Engine = ctx.engine_factory(url, pool_size=connections)
         migrate(self.engine)
         placeholders = outbox.names.placeholders()
-        self.sql = {
-            name: sql.format(
-                events=placeholders["events"], keys=placeholders["keys"], seqs=placeholders["seqs"]
-            )
-            for name, sql in SQL.items()
-        }
+        self.sql = {name: sql.format_map(placeholders) for name, sql in SQL.items()}
 
     def close(self) -> None:
         self.engine.dispose()

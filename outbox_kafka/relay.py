@@ -792,6 +792,8 @@ class Relay:
         try:
             if not self.store.idle_announced:
                 if self.store.announce_idle(_IDLE_LOCK_WAIT):
+                    # The last look must be a claim made now, not one read ahead.
+                    self._release_prefetched()
                     return
                 if not self.store.another_relay_idle():
                     timeout = min(timeout, _IDLE_LOCK_WAIT)

@@ -36,28 +36,28 @@ def _relay_claims(store: Store) -> None:
     assert key.key == KEY and len(key.events) == 1
 
 
-def _relay_records(store: Store) -> None:
-    """Claim the key's first event and record it delivered: the key row moves on."""
+def _record_first(store: Store, status: str, park: bool) -> None:
+    """Claim the key's first event and record it with ``status``: the key row changes."""
     claim = store.claim(batch_size=1, lease_seconds=30)
     [key] = claim.keys
     event = key.events[0]
+    next_seq = event.seq if park else event.seq + 1
+    error = "test" if status == "discarded" else None
     store.finish(
         claim.token,
-        [KeyOutcome(KEY, event.seq + 1, 0.0, False, False)],
-        [EventOutcome(event.event_id, KEY, "delivered", 0, 0.0, 0, 0, None)],
+        [KeyOutcome(KEY, next_seq, 0.0, park, False)],
+        [EventOutcome(event.event_id, KEY, status, int(park), 0.0, None, None, error)],
     )
+
+
+def _relay_records(store: Store) -> None:
+    """Record the key's first event delivered: the key row moves on."""
+    _record_first(store, "delivered", park=False)
 
 
 def _relay_parks(store: Store) -> None:
-    """Claim the key's first event and park the key on it."""
-    claim = store.claim(batch_size=1, lease_seconds=30)
-    [key] = claim.keys
-    event = key.events[0]
-    store.finish(
-        claim.token,
-        [KeyOutcome(KEY, event.seq, 0.0, True, False)],
-        [EventOutcome(event.event_id, KEY, "discarded", 1, 0.0, None, None, "test")],
-    )
+    """Discard the key's first event and park the key on it."""
+    _record_first(store, "discarded", park=True)
 
 
 RELAY_STEPS: dict[str, Callable[[Store], None]] = {
