@@ -47,8 +47,9 @@ T = TypeVar("T")
 #: How long a relay about to wait idle waits for producers' transactions that
 #: hold the wake lock (they sent no notify) before it waits anyway, briefly.
 _IDLE_LOCK_WAIT = 0.1
-#: An idle relay checks for stop() at least this often (seconds).
-_STOP_CHECK = 0.5
+#: An idle relay checks for stop() (and, without the wake lock, tries to take
+#: it) at least this often (seconds).
+_STOP_CHECK = 0.25
 
 
 @dataclass
@@ -344,8 +345,9 @@ class Relay:
             return done, True
         report = self._record(batch)
         _add(done, report)
-        # Keys just released by the previous record may have more work: go again.
-        return done, report.progressed or previous.progressed
+        # Keys just released by the previous record may have more work, and keys
+        # producers added may not all have joined the queue yet: go again.
+        return done, report.progressed or previous.progressed or self.store.arrivals_left
 
     def _next_claim(self) -> _Claimed:
         """The claim read ahead during the last cycle, or a new one."""
@@ -789,20 +791,24 @@ class Relay:
         if not self.settings.listen:
             self._stop.wait(timeout)
             return
+        # The last look must be a claim made now, not one read ahead.
+        self._release_prefetched()
         try:
             if not self.store.idle_announced:
                 if self.store.announce_idle(_IDLE_LOCK_WAIT):
-                    # The last look must be a claim made now, not one read ahead.
-                    self._release_prefetched()
                     return
                 if not self.store.another_relay_idle():
                     timeout = min(timeout, _IDLE_LOCK_WAIT)
-            # In slices, so that stop() is heard within one whatever the poll interval.
+            # In slices, so that stop() is heard within one whatever the poll
+            # interval; a relay without the lock tries it again at each, since the
+            # relay that holds it may stop or go busy at any time.
             deadline = time.monotonic() + timeout
             while not self._stop.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0 or self.store.wait_for_wakeup(min(left, _STOP_CHECK)):
                     break
+                if not self.store.idle_announced and self.store.announce_idle(0.001):
+                    break  # now the idle one: look for work once more
         except StorageError:
             self._stop.wait(timeout)
 

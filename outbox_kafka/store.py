@@ -28,9 +28,10 @@ from .errors import StorageError
 from .naming import TableNames
 from .queries import pg_array, pg_text_array, queries_for
 
-#: A claim of up to N keys first moves up to this many times N keys from the
-#: producers' arrivals into the key queue.
+#: A claim of up to N keys first moves producers' arrivals into the key queue,
+#: this many times N keys per pass, for at most this many passes.
 _ADMIT_PER_KEY = 2
+_ADMIT_PASSES = 4
 
 
 class ClaimedEvent(NamedTuple):
@@ -191,9 +192,10 @@ class Store:
             database_url, pool_size=3, max_overflow=2, isolation_level="READ COMMITTED"
         )
         self._q = queries_for(names)
-        self._admit_and_claim = ";\n".join(
-            [self._q.driver_sql("admit_arrivals"), self._q.driver_sql("claim_keys")]
-        )
+        #: Where the next admission pass starts (see admit_arrivals in queries.sql).
+        self._admit_after = ""
+        #: Whether the last claim left arrivals behind (its passes all came back full).
+        self.arrivals_left = False
         self._listener: psycopg2.extensions.connection | None = None
         self._idle = False
         self._wake_lock = {"wake_lock": names.lock_id("wake")}
@@ -285,15 +287,35 @@ class Store:
         per_key = max(1, batch_size // max(1, len(keys)))
         return Claim(token=token, keys=list(keys.values()), per_key_limit=per_key)
 
+    def _admit(self, cur: Any, limit: int) -> None:
+        """Move producers' arrivals into the key queue, a few passes at most."""
+        for _ in range(_ADMIT_PASSES):
+            start = self._admit_after
+            cur.execute(
+                self._q.driver_sql("admit_arrivals"), {"after_key": start, "admit_limit": limit}
+            )
+            moved, last_key = cur.fetchone()
+            if moved == limit:
+                self._admit_after = last_key
+                continue
+            # The sweep reached the end: start over, at once if it began past the
+            # first key (the keys before it may have arrivals too).
+            self._admit_after = ""
+            if start == "":
+                self.arrivals_left = False
+                return
+        self.arrivals_left = True
+
     def _claim_rows(self, params: dict[str, Any], *, as_text: bool) -> tuple[list[Any], bool]:
         """Run the claim; its rows, and whether their values came as text."""
         with self._cursor("claiming events") as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
             # The keys that producers added since the last claim join the queue
-            # first (admit_arrivals), in the same round trip. Then two statements,
-            # so that the events are read from a snapshot taken after the keys
-            # are locked: see claim_keys in queries.sql.
-            cur.execute(self._admit_and_claim, params)
+            # first (admit_arrivals). Then two statements, so that the events are
+            # read from a snapshot taken after the keys are locked: see
+            # claim_keys in queries.sql.
+            self._admit(cur, params["admit_limit"])
+            cur.execute(self._q.driver_sql("claim_keys"), params)
             leased = cur.fetchall()
             if not leased:
                 return [], as_text

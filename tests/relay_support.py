@@ -75,7 +75,10 @@ def admit_arrivals(engine: sa.Engine, names: TableNames | None = None) -> None:
     For tests that set up a key's queue row by hand right after an enqueue.
     """
     with engine.begin() as conn:
-        conn.execute(queries_for(names or TableNames())["admit_arrivals"], {"admit_limit": 10**9})
+        conn.execute(
+            queries_for(names or TableNames())["admit_arrivals"],
+            {"after_key": "", "admit_limit": 10**9},
+        )
 
 
 def seq_events(topic: str, keys: Sequence[str], count: int, *, type: str = "t.e") -> list[Event]:

@@ -114,24 +114,32 @@ SELECT CASE WHEN :notify THEN
        END AS notified;
 
 -- name: admit_arrivals
--- Moves up to :admit_limit keys from {arrivals} into the key queue: a key the
--- queue holds already keeps its row (its next_seq is at or below the arrival's
--- first_seq, or the arrival's events are done); a new one comes with the
--- arrival's first_seq and due time. Rows a concurrent relay is moving are
--- skipped. Sent with claim_keys in one round trip, as its own statement, so
--- that claim_keys sees the keys moved.
+-- Moves up to :admit_limit keys from {arrivals} into the key queue, in key
+-- order from just after :after_key (the last key the previous pass moved, ''
+-- to start over): successive passes sweep the whole table through its
+-- primary key, so every arrival is taken in within one sweep however many
+-- keep coming, and no pass reads the dead rows of the ones taken before. A
+-- key the queue holds already keeps its row (its next_seq is at or below the
+-- arrival's first_seq, or the arrival's events are done); a new one comes
+-- with the arrival's first_seq and due time. Rows a concurrent relay is
+-- moving are skipped. Returns how many were moved and the last key moved;
+-- the claim runs it in the same transaction before claim_keys.
 WITH picked AS (
     SELECT ordering_key FROM {arrivals}
+    WHERE ordering_key > :after_key
+    ORDER BY ordering_key
     LIMIT :admit_limit
     FOR UPDATE SKIP LOCKED
 ), moved AS (
     DELETE FROM {arrivals} a
     WHERE a.ordering_key = ANY(ARRAY(SELECT ordering_key FROM picked))
     RETURNING a.ordering_key, a.first_seq, a.due_at
+), queued AS (
+    INSERT INTO {keys} (ordering_key, next_seq, due_at)
+    SELECT ordering_key, first_seq, due_at FROM moved ORDER BY ordering_key
+    ON CONFLICT (ordering_key) DO NOTHING
 )
-INSERT INTO {keys} (ordering_key, next_seq, due_at)
-SELECT ordering_key, first_seq, due_at FROM moved ORDER BY ordering_key
-ON CONFLICT (ordering_key) DO NOTHING;
+SELECT count(*) AS moved, max(ordering_key) AS last_key FROM moved;
 
 -- name: claim_keys
 -- Claims up to :max_keys due keys (skipping keys another relay is claiming)
@@ -384,7 +392,8 @@ FROM {events} WHERE status = 'pending';
 -- key's next event is the discarded one it waits behind. Cost: one row per
 -- key with work, however many events they hold. Exact unless events were
 -- recorded out of turn (delivered behind a held-back retry, left behind by
--- unpark_keys), which are counted until their key moves past them.
+-- unpark_keys), which are counted until their key moves past them, or
+-- unless an arrival is stale (its events done before a relay took it in).
 -- Keys still among the arrivals count from their arrival's first_seq.
 WITH queued AS (
     SELECT ordering_key, next_seq, parked_at FROM {keys}
@@ -630,7 +639,8 @@ SELECT e.ordering_key, CAST(e.event_id AS text) AS event_id,
 FROM {events} e
 WHERE e.status = 'pending'
   AND NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = e.ordering_key)
-  AND NOT EXISTS (SELECT 1 FROM {arrivals} a WHERE a.ordering_key = e.ordering_key)
+  AND NOT EXISTS (SELECT 1 FROM {arrivals} a
+                  WHERE a.ordering_key = e.ordering_key AND a.first_seq <= e.seq)
 ORDER BY e.ordering_key, e.seq
 LIMIT :limit;
 
@@ -720,7 +730,8 @@ SELECT (SELECT count(*)
         LEFT JOIN {keys} k ON k.ordering_key = p.ordering_key
         WHERE (k.ordering_key IS NULL
                AND NOT EXISTS (SELECT 1 FROM {arrivals} a
-                               WHERE a.ordering_key = p.ordering_key))
+                               WHERE a.ordering_key = p.ordering_key
+                                 AND a.first_seq <= p.seq))
            OR p.seq < k.next_seq)
      + (SELECT count(*)
         FROM {keys} k

@@ -1,6 +1,10 @@
-"""Writers collide only with writers: a REPEATABLE READ or SERIALIZABLE producer
+"""Arrivals, the keys producers queue for the relays.
+
+Writers collide only with writers: a REPEATABLE READ or SERIALIZABLE producer
 whose key a relay claims, records or removes after the producer's snapshot still
-commits; two producers of one key still fail to serialize, as before."""
+commits; two producers of one key still fail to serialize, as before. Claims take
+every arrival in, whatever their number, and an outbox at schema version 1
+upgrades with its queued keys."""
 
 from __future__ import annotations
 
@@ -181,3 +185,26 @@ def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
     records = consume_all(kafka_bootstrap, topic, 4)
     assert per_key_order(records)[KEY] == [*(str(e.event_id) for e in old_events), str(third)]
     assert check_consistency(engine, names).ok
+
+
+def test_claims_take_in_every_arrival_in_sweeps_and_say_when_some_are_left(
+    engine: sa.Engine, database_url: str
+) -> None:
+    keys = [f"k{n:03d}" for n in range(100)]
+    enqueue_bulk(engine, topic_outbox(), [Event(type="t", key=k, data=0, topic="t") for k in keys])
+    store = Store(database_url, TableNames())
+    try:
+        # Up to 2 x 5 keys per pass, 4 passes: 40 of the 100 keys join the queue.
+        store.claim(batch_size=5, lease_seconds=30)
+        assert store.arrivals_left
+        queued = [r[0] for r in rows(engine, "SELECT ordering_key FROM outbox_keys ORDER BY 1")]
+        assert queued == keys[:40]
+        # A key arriving behind the sweep's position is taken in when it wraps around.
+        enqueue_bulk(engine, topic_outbox(), [Event(type="t", key="a-late", data=0, topic="t")])
+        store.claim(batch_size=5, lease_seconds=30)
+        store.claim(batch_size=5, lease_seconds=30)
+        assert not store.arrivals_left
+    finally:
+        store.close()
+    assert rows(engine, "SELECT count(*) FROM outbox_arrivals") == [(0,)]
+    assert rows(engine, "SELECT count(*) FROM outbox_keys") == [(101,)]
