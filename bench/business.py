@@ -122,7 +122,7 @@ class BusinessBench:
             conn.autocommit = True
             with conn.cursor() as cur:
                 cur.execute(f'LISTEN "{self.outbox.names.channel}"')
-                cur.execute("SELECT pg_advisory_lock(%s)", (self.outbox.names.lock_id("wake"),))
+                cur.execute("SELECT pg_advisory_lock(%s)", (self.outbox.names.wake_lock,))
             yield
         finally:
             conn.close()

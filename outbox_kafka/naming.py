@@ -109,6 +109,11 @@ class TableNames:
         ).digest()
         return int.from_bytes(digest, "big", signed=True)
 
+    @property
+    def wake_lock(self) -> int:
+        """The advisory lock an idle relay holds so that enqueues notify it."""
+        return self.lock_id("wake")
+
     def placeholders(self) -> dict[str, str]:
         """Values for the ``{name}`` placeholders in the SQL files."""
         s = _quote(self.schema)

@@ -173,7 +173,7 @@ class Outbox:
         self._wake: dict[str, Any] = {
             "notify": notify,
             "channel": self._config.names.channel,
-            "wake_lock": self._config.names.lock_id("wake"),
+            "wake_lock": self._config.names.wake_lock,
         }
         self._kinds: dict[tuple[str, str | None], _EventKind] = {}
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.

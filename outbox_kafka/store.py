@@ -198,7 +198,7 @@ class Store:
         self.arrivals_left = False
         self._listener: psycopg2.extensions.connection | None = None
         self._idle = False
-        self._wake_lock = {"wake_lock": names.lock_id("wake")}
+        self._wake_lock = {"wake_lock": names.wake_lock}
 
     @contextlib.contextmanager
     def _cursor(self, what: str) -> Iterator[Any]:
@@ -477,24 +477,33 @@ class Store:
             self._listener = dbapi
         return self._listener
 
-    def wait_for_wakeup(self, timeout: float) -> bool:
-        """Block until an enqueue commits (True) or ``timeout`` seconds pass (False)."""
+    @contextlib.contextmanager
+    def _on_listener(self, what: str) -> Iterator[psycopg2.extensions.connection]:
+        """The LISTEN connection (opened if need be) for one step.
+
+        A step that fails drops the connection, and with it the wake lock it
+        may hold: the next step starts on a new session.
+        """
         try:
-            with _translated("listening for new events"):
-                conn = self._listen()
-                if conn.notifies:
-                    conn.notifies.clear()
-                    return True
-                ready, _, _ = select.select([conn], [], [], timeout)
-                if ready:
-                    conn.poll()
-                    woke = bool(conn.notifies)
-                    conn.notifies.clear()
-                    return woke
-                return False
+            with _translated(what):
+                yield self._listen()
         except (StorageError, OSError):
             self._drop_listener()
             raise
+
+    def wait_for_wakeup(self, timeout: float) -> bool:
+        """Block until an enqueue commits (True) or ``timeout`` seconds pass (False)."""
+        with self._on_listener("listening for new events") as conn:
+            if conn.notifies:
+                conn.notifies.clear()
+                return True
+            ready, _, _ = select.select([conn], [], [], timeout)
+            if ready:
+                conn.poll()
+                woke = bool(conn.notifies)
+                conn.notifies.clear()
+                return woke
+            return False
 
     def drop_wakeups(self) -> None:
         """Read and forget the notifications that have arrived, without waiting.
@@ -503,22 +512,17 @@ class Store:
         queue (shared by the whole cluster) at its position: the relay calls
         this in every busy cycle. Nothing to do before the first LISTEN.
         """
-        conn = self._listener
-        if conn is None or conn.closed:
+        if self._listener is None or self._listener.closed:
             return
-        try:
-            with _translated("reading notifications"):
-                # Whatever the socket holds now, read in a few gulps at most.
-                deadline = time.monotonic() + 0.05
-                while True:
-                    conn.poll()
-                    conn.notifies.clear()
-                    ready, _, _ = select.select([conn], [], [], 0)
-                    if not ready or time.monotonic() > deadline:
-                        break
-        except (StorageError, OSError):
-            self._drop_listener()
-            raise
+        with self._on_listener("reading notifications") as conn:
+            # Whatever the socket holds now, read in a few gulps at most.
+            deadline = time.monotonic() + 0.05
+            while True:
+                conn.poll()
+                conn.notifies.clear()
+                ready, _, _ = select.select([conn], [], [], 0)
+                if not ready or time.monotonic() > deadline:
+                    break
 
     # The wake lock: held while this relay waits idle, so that producers notify.
 
@@ -538,21 +542,12 @@ class Store:
         """
         if self.idle_announced:
             return True
-        try:
-            with _translated("announcing an idle relay"):
-                conn = self._listen()
-                with conn.cursor() as cur:
-                    cur.execute(
-                        self._q.driver_sql("wake_lock_timeout"),
-                        {"milliseconds": _millis(wait)},
-                    )
-                    try:
-                        cur.execute(self._q.driver_sql("announce_idle"), self._wake_lock)
-                    except psycopg2.errors.LockNotAvailable:
-                        return False
-        except (StorageError, OSError):
-            self._drop_listener()
-            raise
+        with self._on_listener("announcing an idle relay") as conn, conn.cursor() as cur:
+            cur.execute(self._q.driver_sql("wake_lock_timeout"), {"milliseconds": _millis(wait)})
+            try:
+                cur.execute(self._q.driver_sql("announce_idle"), self._wake_lock)
+            except psycopg2.errors.LockNotAvailable:
+                return False
         self._idle = True
         return True
 
@@ -561,26 +556,17 @@ class Store:
         if not self.idle_announced:
             self._idle = False
             return
-        assert self._listener is not None
-        try:
-            with _translated("announcing a busy relay"), self._listener.cursor() as cur:
-                cur.execute(self._q.driver_sql("announce_busy"), self._wake_lock)
-        except (StorageError, OSError):
-            self._drop_listener()
-            raise
+        with self._on_listener("announcing a busy relay") as conn, conn.cursor() as cur:
+            cur.execute(self._q.driver_sql("announce_busy"), self._wake_lock)
         self._idle = False
 
     def another_relay_idle(self) -> bool:
         """Whether another relay holds the wake lock (and so producers notify)."""
         lock_id = self._wake_lock["wake_lock"]
         params = {"lock_high": (lock_id >> 32) & 0xFFFFFFFF, "lock_low": lock_id & 0xFFFFFFFF}
-        try:
-            with _translated("looking for an idle relay"), self._listen().cursor() as cur:
-                cur.execute(self._q.driver_sql("wake_lock_held_by_relay"), params)
-                row = cur.fetchone()
-        except (StorageError, OSError):
-            self._drop_listener()
-            raise
+        with self._on_listener("looking for an idle relay") as conn, conn.cursor() as cur:
+            cur.execute(self._q.driver_sql("wake_lock_held_by_relay"), params)
+            row = cur.fetchone()
         return bool(row and row[0])
 
     def _drop_listener(self) -> None:

@@ -736,7 +736,7 @@ def _idle_relay(database_url: str, outbox: Outbox) -> psycopg2.extensions.connec
     """A session that listens and holds the wake lock, as an idle relay does."""
     conn = _listener(database_url, outbox.names.channel)
     with conn.cursor() as cur:
-        cur.execute("SELECT pg_advisory_lock(%s)", (outbox.names.lock_id("wake"),))
+        cur.execute("SELECT pg_advisory_lock(%s)", (outbox.names.wake_lock,))
     return conn
 
 
