@@ -34,6 +34,7 @@ _OBJECT_SUFFIXES = (
     "_key_seq_pkey",
     "_migrations",
     "_migrations_pkey",
+    "_enqueue_one",
 )
 _MAX_BASE = _MAX_IDENTIFIER - max(len(s) for s in _OBJECT_SUFFIXES)
 
@@ -82,6 +83,11 @@ class TableNames:
         return f"{self.table}_key_seq"
 
     @property
+    def enqueue_one(self) -> str:
+        """The function that writes one event (migration 0003)."""
+        return f"{self.table}_enqueue_one"
+
+    @property
     def versions(self) -> str:
         return f"{self.table}_migrations"
 
@@ -125,6 +131,9 @@ class TableNames:
             "arrivals": f"{s}.{_quote(self.arrivals)}",
             "versions": f"{s}.{_quote(self.versions)}",
             "channel": _quote(self.channel),
+            "channel_literal": f"'{self.channel}'",
+            "wake_lock": str(self.wake_lock),
+            "enqueue_one": f"{s}.{_quote(self.enqueue_one)}",
         }
         for suffix in _EVENT_SUFFIXES:
             values[f"events_{suffix}"] = _quote(f"{self.table}_{suffix}")

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from .envelope import (
@@ -39,6 +39,7 @@ from .errors import (
     EnvelopeInvalid,
     EventError,
     MessageTooLarge,
+    MigrationError,
     MissingTopic,
     UnknownEventType,
     UnsafeConnection,
@@ -169,7 +170,8 @@ class Outbox:
         )
         self._queries: Queries = queries_for(self._config.names)
         #: The wake-up parameters of every enqueue: notify on this channel while a
-        #: relay holds this lock (see enqueue in queries.sql).
+        #: relay holds this lock (see enqueue in queries.sql; the single-event
+        #: function has both built in).
         self._wake: dict[str, Any] = {
             "notify": notify,
             "channel": self._config.names.channel,
@@ -382,21 +384,31 @@ class Outbox:
             statement = self._queries["enqueue"]
             params = _enqueue_params(encoded)
         params.update(self._wake)
-        if chosen_ids:
-            # Caller-chosen ids may collide; a savepoint keeps a collision from
-            # spoiling the caller's transaction.
-            try:
-                with connection.begin_nested():
-                    connection.execute(statement, params)
-            except IntegrityError as exc:
-                diag = getattr(exc.orig, "diag", None)
-                if getattr(diag, "constraint_name", None) == f"{self._config.names.table}_pkey":
-                    raise DuplicateEventId(
-                        "event_id", "an event with this id is already in the outbox"
-                    ) from None
-                raise
-        else:
-            connection.execute(statement, params)
+        try:
+            if chosen_ids:
+                # Caller-chosen ids may collide; a savepoint keeps a collision from
+                # spoiling the caller's transaction.
+                try:
+                    with connection.begin_nested():
+                        connection.execute(statement, params)
+                except IntegrityError as exc:
+                    diag = getattr(exc.orig, "diag", None)
+                    if getattr(diag, "constraint_name", None) == f"{self._config.names.table}_pkey":
+                        raise DuplicateEventId(
+                            "event_id", "an event with this id is already in the outbox"
+                        ) from None
+                    raise
+            else:
+                connection.execute(statement, params)
+        except ProgrammingError as exc:
+            names = self._config.names
+            if _sqlstate(exc) == _UNDEFINED_FUNCTION and names.enqueue_one in str(exc.orig):
+                raise MigrationError(
+                    f"{names.qualified_events} lacks the function {names.enqueue_one} "
+                    "(its schema is older than this version of outbox-kafka): run "
+                    "`outbox-kafka migrate` before deploying producers of this version"
+                ) from exc
+            raise
         return [e.event_id for e in encoded]
 
 
@@ -498,6 +510,16 @@ def _enqueue_params(encoded: list[EncodedEvent]) -> dict[str, Any]:
 def _timestamps(values: list[datetime | None]) -> str:
     # In UTC: PostgreSQL refuses some offsets Python allows (check_available_at).
     return pg_array([None if v is None else v.astimezone(UTC).isoformat() for v in values])
+
+
+#: PostgreSQL's SQLSTATE for a call of a function that does not exist.
+_UNDEFINED_FUNCTION = "42883"
+
+
+def _sqlstate(exc: ProgrammingError) -> str | None:
+    """The SQLSTATE of the driver's error (psycopg2 ``pgcode``, psycopg 3 ``sqlstate``)."""
+    code = getattr(exc.orig, "pgcode", None) or getattr(exc.orig, "sqlstate", None)
+    return code if isinstance(code, str) else None
 
 
 def _enqueue_one_params(event: EncodedEvent) -> dict[str, Any]:

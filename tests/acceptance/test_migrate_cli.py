@@ -83,6 +83,8 @@ OUTBOX_TABLES = [
     "outbox_keys",
     "outbox_migrations",
 ]
+#: Every migration, as the versions table records it once all are applied.
+MIGRATIONS = [(1, "initial"), (2, "arrivals"), (3, "enqueue_function")]
 
 
 def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str]) -> None:
@@ -91,7 +93,7 @@ def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str
 
     first = run_cli("migrate", database_url=url)
     assert first.returncode == 0, first.stderr
-    assert "applied migrations [1, 2]" in first.stdout
+    assert "applied migrations [1, 2, 3]" in first.stdout
     assert "public.outbox" in first.stdout
     assert relations(url) == OUTBOX_TABLES
 
@@ -99,7 +101,7 @@ def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str
     assert second.returncode == 0, second.stderr
     assert "up to date" in second.stdout
     assert "applied" not in second.stdout
-    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
+    assert applied_versions(url) == MIGRATIONS
 
 
 def test_database_url_flag(empty_database: Callable[[], str]) -> None:
@@ -134,9 +136,9 @@ def test_concurrent_migrations_apply_once(empty_database: Callable[[], str], rou
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err
     stdouts = sorted(out for out, _ in outputs)
-    assert sum("applied migrations [1, 2]" in out for out in stdouts) == 1, stdouts
+    assert sum("applied migrations [1, 2, 3]" in out for out in stdouts) == 1, stdouts
     assert sum("up to date" in out for out in stdouts) == 1, stdouts
-    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
+    assert applied_versions(url) == MIGRATIONS
     assert relations(url) == OUTBOX_TABLES
 
 
@@ -192,11 +194,11 @@ def test_print_sql_runs_in_psql_and_is_idempotent(empty_database: Callable[[], s
     assert first.returncode == 0, first.stderr
     assert "ERROR" not in first.stderr
     assert relations(url) == OUTBOX_TABLES
-    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
+    assert applied_versions(url) == MIGRATIONS
 
     second = _psql(url, script)
     assert second.returncode == 0, second.stderr
-    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
+    assert applied_versions(url) == MIGRATIONS
 
     # The CLI agrees the database is up to date.
     result = run_cli("migrate", database_url=url)
@@ -209,7 +211,7 @@ def test_print_sql_after_cli_migrate_is_a_no_op(empty_database: Callable[[], str
     assert run_cli("migrate", database_url=url).returncode == 0
     result = _psql(url, run_cli("migrate", "--print-sql").stdout)
     assert result.returncode == 0, result.stderr
-    assert applied_versions(url) == [(1, "initial"), (2, "arrivals")]
+    assert applied_versions(url) == MIGRATIONS
 
 
 def test_print_sql_schema_matches_cli_migrate(empty_database: Callable[[], str]) -> None:
@@ -274,14 +276,14 @@ def test_custom_table_and_schema(empty_database: Callable[[], str], via: str) ->
     ]
     assert relations(url, "public") == []
     names = TableNames(table="orders_outbox", schema="app")
-    assert applied_versions(url, names) == [(1, "initial"), (2, "arrivals")]
+    assert applied_versions(url, names) == MIGRATIONS
 
     again = run_cli("migrate", "--table", "orders_outbox", "--db-schema", "app", database_url=url)
     assert again.returncode == 0, again.stderr
     assert "up to date" in again.stdout
     # The default outbox is a separate outbox in the same database.
     default = run_cli("migrate", database_url=url)
-    assert "applied migrations [1, 2]" in default.stdout
+    assert "applied migrations [1, 2, 3]" in default.stdout
     assert relations(url, "public") == OUTBOX_TABLES
 
 
