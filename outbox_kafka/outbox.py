@@ -378,19 +378,26 @@ class Outbox:
         """Write ``encoded`` in one statement; ``chosen_ids``: the caller gave event ids."""
         connection = _connection_of(conn)
         if len(encoded) == 1:
-            statement = self._queries["enqueue_one"]
-            params = _enqueue_one_params(encoded[0])
+            name, params = "enqueue_one", _enqueue_one_params(encoded[0])
         else:
-            statement = self._queries["enqueue"]
-            params = _enqueue_params(encoded)
+            name, params = "enqueue", _enqueue_params(encoded)
         params.update(self._wake)
+
+        def execute() -> None:
+            if connection.dialect.driver == "psycopg2":
+                # Compiled once for the driver: SQLAlchemy's handling of a text()
+                # construct on every call costs more than encoding the event.
+                connection.exec_driver_sql(self._queries.driver_sql(name), params)
+            else:
+                connection.execute(self._queries[name], params)
+
         try:
             if chosen_ids:
                 # Caller-chosen ids may collide; a savepoint keeps a collision from
                 # spoiling the caller's transaction.
                 try:
                     with connection.begin_nested():
-                        connection.execute(statement, params)
+                        execute()
                 except IntegrityError as exc:
                     diag = getattr(exc.orig, "diag", None)
                     if getattr(diag, "constraint_name", None) == f"{self._config.names.table}_pkey":
@@ -399,7 +406,7 @@ class Outbox:
                         ) from None
                     raise
             else:
-                connection.execute(statement, params)
+                execute()
         except ProgrammingError as exc:
             names = self._config.names
             if _sqlstate(exc) == _UNDEFINED_FUNCTION and names.enqueue_one in str(exc.orig):

@@ -24,6 +24,7 @@
 \set arrivals_table :table '_arrivals'
 \set seqs_table :table '_key_seq'
 \set versions_table :table '_migrations'
+\set enqueue_one_function :table '_enqueue_one'
 
 -- name: grant_schema_usage
 GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"producer_role";
@@ -58,10 +59,16 @@ GRANT SELECT ON :"schema".:"versions_table" TO :"relay_role";
 -- ON CONFLICT DO NOTHING). A producer reads nothing of any event, its own or
 -- another service's: not the payload, the headers, the topic, nor the status;
 -- and it neither reads nor writes the relay's key queue. The wake lock it
--- tries is an advisory lock, which needs no grant.
+-- tries is an advisory lock, which needs no grant. A single event goes
+-- through the enqueue_one function (migration 0003), which runs with the
+-- producer's own rights, so it needs these grants too, and EXECUTE (PUBLIC
+-- has it unless default privileges took it away).
 GRANT INSERT (event_id, ordering_key, seq, topic, type, value, headers, available_at)
     ON :"schema".:"table" TO :"producer_role";
 GRANT SELECT (ordering_key, last_seq), INSERT (ordering_key, last_seq), UPDATE (last_seq)
     ON :"schema".:"seqs_table" TO :"producer_role";
 GRANT SELECT (ordering_key), INSERT (ordering_key, first_seq, due_at)
     ON :"schema".:"arrivals_table" TO :"producer_role";
+GRANT EXECUTE ON FUNCTION :"schema".:"enqueue_one_function"(
+    uuid, text, text, text, bytea, jsonb, timestamptz, double precision, boolean
+) TO :"producer_role";

@@ -14,7 +14,7 @@ import psycopg2.errors
 import pytest
 import sqlalchemy as sa
 
-from outbox_kafka import Event, Outbox, migrate
+from outbox_kafka import Event, MigrationError, Outbox, migrate
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import check_consistency
 from outbox_kafka.queries import queries_for
@@ -27,6 +27,7 @@ from tests.relay_support import (
     make_settings,
     per_key_order,
     rows,
+    scalar,
     topic_outbox,
 )
 
@@ -185,6 +186,33 @@ def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
     records = consume_all(kafka_bootstrap, topic, 4)
     assert per_key_order(records)[KEY] == [*(str(e.event_id) for e in old_events), str(third)]
     assert check_consistency(engine, names).ok
+
+
+def test_a_producer_ahead_of_its_schema_is_told_to_migrate_and_writes_nothing(
+    engine: sa.Engine,
+) -> None:
+    """A single event goes through the function of migration 0003: on an outbox at
+    version 2 the call names the missing migration instead of a bare driver error."""
+    names = TableNames(table="behind")
+    outbox = Outbox(allow_unknown_types=True, table="behind")
+    q = queries_for(names)
+    with engine.begin() as conn:
+        conn.execute(q["create_versions_table"])
+        for migration in q.migrations()[:2]:
+            conn.execute(sa.text(migration.sql))
+            conn.execute(
+                q["record_version"], {"version": migration.version, "name": migration.name}
+            )
+    expected = r"run `outbox-kafka migrate`"
+    with pytest.raises(MigrationError, match=expected) as caught, engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO behind_key_seq VALUES ('business row', 1)"))
+        outbox.enqueue(conn, type="t", key=KEY, data=0, topic="t")
+    assert "behind_enqueue_one" in str(caught.value)
+    assert scalar(engine, "SELECT count(*) FROM behind_key_seq") == 0  # rolled back whole
+    assert migrate(engine, names).applied == [3]
+    with engine.begin() as conn:
+        outbox.enqueue(conn, type="t", key=KEY, data=0, topic="t")
+    assert scalar(engine, "SELECT count(*) FROM behind_arrivals") == 1
 
 
 def test_claims_take_in_every_arrival_in_sweeps_and_say_when_some_are_left(

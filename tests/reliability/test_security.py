@@ -529,6 +529,13 @@ def roles(engine: sa.Engine, server_url: str) -> Iterator[dict[str, str]]:
     with admin.connect() as conn:
         for role in names.values():
             conn.exec_driver_sql(f'CREATE ROLE "{role}" LOGIN')
+    with engine.begin() as conn:
+        # As where default privileges keep EXECUTE on new functions from PUBLIC:
+        # the producer's EXECUTE must come from roles.sql.
+        conn.exec_driver_sql(
+            "REVOKE EXECUTE ON FUNCTION outbox_enqueue_one(uuid, text, text, text, bytea, "
+            "jsonb, timestamptz, double precision, boolean) FROM PUBLIC"
+        )
     try:
         result = subprocess.run(
             [
@@ -646,6 +653,10 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
         # Without the grants, both sides fail at once, naming what is missing.
         with pytest.raises(sa.exc.ProgrammingError) as caught, bare.begin() as conn:
             outbox.enqueue(conn, type="t.e", key="a", data={}, topic=topic)
+        # EXECUTE on the function comes only from roles.sql here (see the fixture).
+        assert "permission denied for function outbox_enqueue_one" in str(caught.value)
+        with pytest.raises(sa.exc.ProgrammingError) as caught, bare.begin() as conn:
+            outbox.enqueue_many(conn, seq_events(topic, ["a"], 2))
         assert "permission denied for table outbox" in str(caught.value)
         bare_store = Store(_as(database_url, roles["bare"]), TableNames())
         try:
