@@ -88,6 +88,14 @@ class TableNames:
         return f"{self.table}_enqueue_one"
 
     @property
+    def enqueue_one_signature(self) -> str:
+        """The function's qualified name and argument types, as ``to_regprocedure`` reads them."""
+        return (
+            f"{_quote(self.schema)}.{_quote(self.enqueue_one)}(uuid, text, text, text, bytea, "
+            "jsonb, timestamp with time zone, double precision, boolean)"
+        )
+
+    @property
     def versions(self) -> str:
         return f"{self.table}_migrations"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection
-from sqlalchemy.exc import IntegrityError, ProgrammingError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .envelope import (
@@ -39,7 +39,6 @@ from .errors import (
     EnvelopeInvalid,
     EventError,
     MessageTooLarge,
-    MigrationError,
     MissingTopic,
     UnknownEventType,
     UnsafeConnection,
@@ -377,7 +376,7 @@ class Outbox:
     ) -> list[uuid.UUID]:
         """Write ``encoded`` in one statement; ``chosen_ids``: the caller gave event ids."""
         connection = _connection_of(conn)
-        if len(encoded) == 1:
+        if len(encoded) == 1 and self._can_call_function(connection):
             name, params = "enqueue_one", _enqueue_one_params(encoded[0])
         else:
             name, params = "enqueue", _enqueue_params(encoded)
@@ -391,32 +390,43 @@ class Outbox:
             else:
                 connection.execute(self._queries[name], params)
 
+        if not chosen_ids:
+            execute()
+            return [e.event_id for e in encoded]
+        # Caller-chosen ids may collide; a savepoint keeps a collision from
+        # spoiling the caller's transaction.
         try:
-            if chosen_ids:
-                # Caller-chosen ids may collide; a savepoint keeps a collision from
-                # spoiling the caller's transaction.
-                try:
-                    with connection.begin_nested():
-                        execute()
-                except IntegrityError as exc:
-                    diag = getattr(exc.orig, "diag", None)
-                    if getattr(diag, "constraint_name", None) == f"{self._config.names.table}_pkey":
-                        raise DuplicateEventId(
-                            "event_id", "an event with this id is already in the outbox"
-                        ) from None
-                    raise
-            else:
+            with connection.begin_nested():
                 execute()
-        except ProgrammingError as exc:
-            names = self._config.names
-            if _sqlstate(exc) == _UNDEFINED_FUNCTION and names.enqueue_one in str(exc.orig):
-                raise MigrationError(
-                    f"{names.qualified_events} lacks the function {names.enqueue_one} "
-                    "(its schema is older than this version of outbox-kafka): run "
-                    "`outbox-kafka migrate` before deploying producers of this version"
-                ) from exc
+        except IntegrityError as exc:
+            diag = getattr(exc.orig, "diag", None)
+            if getattr(diag, "constraint_name", None) == f"{self._config.names.table}_pkey":
+                raise DuplicateEventId(
+                    "event_id", "an event with this id is already in the outbox"
+                ) from None
             raise
         return [e.event_id for e in encoded]
+
+    def _can_call_function(self, connection: Connection) -> bool:
+        """Whether this session may call the single-event function (migration 0003).
+
+        Asked once per driver connection (the answer is kept in its ``info``,
+        which lives as long as the pooled connection): an outbox whose tables
+        were made without the migrations (from :mod:`outbox_kafka.tables`), a
+        database not migrated yet, or a role without EXECUTE gets the batch
+        statement instead, which needs only the table grants.
+        """
+        info = connection.info
+        key = ("outbox_kafka.enqueue_one", self._config.names.enqueue_one_signature)
+        found = info.get(key)
+        if found is None:
+            found = info[key] = bool(
+                connection.execute(
+                    self._queries["enqueue_function_callable"],
+                    {"signature": self._config.names.enqueue_one_signature},
+                ).scalar_one()
+            )
+        return bool(found)
 
 
 def _routes(routes: Mapping[str, str] | Iterable[Route] | None) -> list[Route]:
@@ -517,16 +527,6 @@ def _enqueue_params(encoded: list[EncodedEvent]) -> dict[str, Any]:
 def _timestamps(values: list[datetime | None]) -> str:
     # In UTC: PostgreSQL refuses some offsets Python allows (check_available_at).
     return pg_array([None if v is None else v.astimezone(UTC).isoformat() for v in values])
-
-
-#: PostgreSQL's SQLSTATE for a call of a function that does not exist.
-_UNDEFINED_FUNCTION = "42883"
-
-
-def _sqlstate(exc: ProgrammingError) -> str | None:
-    """The SQLSTATE of the driver's error (psycopg2 ``pgcode``, psycopg 3 ``sqlstate``)."""
-    code = getattr(exc.orig, "pgcode", None) or getattr(exc.orig, "sqlstate", None)
-    return code if isinstance(code, str) else None
 
 
 def _enqueue_one_params(event: EncodedEvent) -> dict[str, Any]:

@@ -78,9 +78,9 @@ SELECT CASE WHEN :notify THEN
 -- name: enqueue_one
 -- The enqueue for a single event: the same writes (counter, event, arrival,
 -- wake-up) by the function of migration 0003, whose statements the server
--- keeps planned for the session: a call costs the server about half of what
--- the same writes cost as one statement with three data-modifying CTEs
--- (measured: see the README's performance section).
+-- keeps planned for the session, where the batch statement above is parsed
+-- and planned on every call (see the README's performance section). Used
+-- where enqueue_function_callable says so; else the batch statement.
 SELECT {enqueue_one}(
            CAST(:event_id AS uuid),
            CAST(:ordering_key AS text),
@@ -92,6 +92,14 @@ SELECT {enqueue_one}(
            CAST(:delay_seconds AS double precision),
            CAST(:notify AS boolean)
        ) AS notified;
+
+-- name: enqueue_function_callable
+-- Whether this session can call the function of enqueue_one (:signature, its
+-- qualified name and argument types): false when it does not exist (tables
+-- made from outbox_kafka.tables, or a database not migrated yet) or the role
+-- lacks EXECUTE on it.
+SELECT COALESCE(has_function_privilege(to_regprocedure(:signature), 'EXECUTE'), false)
+       AS callable;
 
 -- name: admit_arrivals
 -- Moves up to :admit_limit keys from {arrivals} into the key queue, in key

@@ -14,7 +14,8 @@ import psycopg2.errors
 import pytest
 import sqlalchemy as sa
 
-from outbox_kafka import Event, MigrationError, Outbox, migrate
+from outbox_kafka import Event, Outbox, migrate
+from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import check_consistency
 from outbox_kafka.queries import queries_for
@@ -27,7 +28,6 @@ from tests.relay_support import (
     make_settings,
     per_key_order,
     rows,
-    scalar,
     topic_outbox,
 )
 
@@ -188,11 +188,13 @@ def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
     assert check_consistency(engine, names).ok
 
 
-def test_a_producer_ahead_of_its_schema_is_told_to_migrate_and_writes_nothing(
-    engine: sa.Engine,
+def test_a_producer_ahead_of_its_schema_writes_with_the_statement_until_it_is_migrated(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:
-    """A single event goes through the function of migration 0003: on an outbox at
-    version 2 the call names the missing migration instead of a bare driver error."""
+    """A single event goes through the function of migration 0003 where a session can
+    call it; on an outbox at version 2 the producer writes with the batch statement,
+    and sessions opened after the migration use the function."""
+    topic = new_topic(partitions=1)
     names = TableNames(table="behind")
     outbox = Outbox(allow_unknown_types=True, table="behind")
     q = queries_for(names)
@@ -203,16 +205,32 @@ def test_a_producer_ahead_of_its_schema_is_told_to_migrate_and_writes_nothing(
             conn.execute(
                 q["record_version"], {"version": migration.version, "name": migration.name}
             )
-    expected = r"run `outbox-kafka migrate`"
-    with pytest.raises(MigrationError, match=expected) as caught, engine.begin() as conn:
-        conn.execute(sa.text("INSERT INTO behind_key_seq VALUES ('business row', 1)"))
-        outbox.enqueue(conn, type="t", key=KEY, data=0, topic="t")
-    assert "behind_enqueue_one" in str(caught.value)
-    assert scalar(engine, "SELECT count(*) FROM behind_key_seq") == 0  # rolled back whole
-    assert migrate(engine, names).applied == [3]
-    with engine.begin() as conn:
-        outbox.enqueue(conn, type="t", key=KEY, data=0, topic="t")
-    assert scalar(engine, "SELECT count(*) FROM behind_arrivals") == 1
+    before = make_engine(database_url)
+    try:
+        with before.begin() as conn:
+            assert not outbox._can_call_function(conn)
+            first = outbox.enqueue(conn, type="t", key=KEY, data=0, topic=topic)
+        assert migrate(engine, names).applied == [3]
+        with before.begin() as conn:  # the same pooled session keeps its answer
+            assert not outbox._can_call_function(conn)
+            second = outbox.enqueue(conn, type="t", key=KEY, data=1, topic=topic)
+    finally:
+        before.dispose()
+    after = make_engine(database_url)
+    try:
+        with after.begin() as conn:
+            assert outbox._can_call_function(conn)
+            third = outbox.enqueue(conn, type="t", key=KEY, data=2, topic=topic)
+    finally:
+        after.dispose()
+    relay = Relay(make_settings(database_url, kafka_bootstrap, table="behind"))
+    try:
+        assert relay.drain().delivered == 3
+    finally:
+        relay.close()
+    records = consume_all(kafka_bootstrap, topic, 3)
+    assert per_key_order(records)[KEY] == [str(first), str(second), str(third)]
+    assert check_consistency(engine, names).ok
 
 
 def test_claims_take_in_every_arrival_in_sweeps_and_say_when_some_are_left(
