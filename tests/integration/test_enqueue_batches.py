@@ -172,8 +172,10 @@ def test_one_event_is_written_by_the_single_event_statement(engine: sa.Engine) -
     finally:
         sa.event.remove(engine, "before_cursor_execute", record)
 
-    assert len(seen) == 3
-    assert all("unnest" not in statement for statement in seen)
+    writes = [statement for statement in seen if "has_function_privilege" not in statement]
+    assert len(seen) - len(writes) <= 1  # whether the function is callable: once per connection
+    assert len(writes) == 3
+    assert all("unnest" not in statement for statement in writes)
     assert [(r["ordering_key"], r["seq"]) for r in rows(engine)] == [
         ('k"1', 1),
         ('k"1', 2),
