@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -177,6 +178,8 @@ class Outbox:
             "wake_lock": self._config.names.wake_lock,
         }
         self._kinds: dict[tuple[str, str | None], _EventKind] = {}
+        #: Engines on which a session could call the single-event function.
+        self._function_callable_on: weakref.WeakSet[Engine] = weakref.WeakSet()
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
         self.producer_metrics = producer_metrics(registry)
 
@@ -355,7 +358,7 @@ class Outbox:
     def enqueue_many(
         self, conn: Connectable, events: Iterable[Event | Mapping[str, Any]]
     ) -> list[uuid.UUID]:
-        """Write a batch of events in one round trip; ids in the order given.
+        """Write a batch of events in one statement; ids in the order given.
 
         Events of the same key keep their order within the batch. Every event
         is validated first: if any is bad, nothing is written.
@@ -374,7 +377,11 @@ class Outbox:
     def _write(
         self, conn: Connectable, encoded: list[EncodedEvent], chosen_ids: bool
     ) -> list[uuid.UUID]:
-        """Write ``encoded`` in one statement; ``chosen_ids``: the caller gave event ids."""
+        """Write ``encoded`` in one statement; ``chosen_ids``: the caller gave event ids.
+
+        The first single event on a connection may cost one more round trip:
+        the question :meth:`_can_call_function` asks.
+        """
         connection = _connection_of(conn)
         if len(encoded) == 1 and self._can_call_function(connection):
             name, params = "enqueue_one", _enqueue_one_params(encoded[0])
@@ -411,11 +418,17 @@ class Outbox:
         """Whether this session may call the single-event function (migration 0003).
 
         Asked once per driver connection (the answer is kept in its ``info``,
-        which lives as long as the pooled connection): an outbox whose tables
-        were made without the migrations (from :mod:`outbox_kafka.tables`), a
-        database not migrated yet, or a role without EXECUTE gets the batch
-        statement instead, which needs only the table grants.
+        which lives as long as the pooled connection), and a yes once per
+        engine: an outbox whose tables were made without the migrations (from
+        :mod:`outbox_kafka.tables`), a database not migrated yet, or a role
+        without EXECUTE gets the batch statement instead, which needs only the
+        table grants. The answer assumes that the engine's role keeps its
+        EXECUTE and that the function stays (``SET ROLE`` to a role without it,
+        or dropping it, makes the call fail until the process restarts).
         """
+        engine = connection.engine
+        if engine in self._function_callable_on:
+            return True
         info = connection.info
         key = ("outbox_kafka.enqueue_one", self._config.names.enqueue_one_signature)
         found = info.get(key)
@@ -426,6 +439,9 @@ class Outbox:
                     {"signature": self._config.names.enqueue_one_signature},
                 ).scalar_one()
             )
+        if found:
+            # Also for the engine's other connections, however short-lived (NullPool).
+            self._function_callable_on.add(engine)
         return bool(found)
 
 

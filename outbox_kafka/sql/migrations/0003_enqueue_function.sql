@@ -2,14 +2,14 @@
 -- statement (enqueue in queries.sql), in the caller's transaction, with the
 -- caller's rights (SECURITY INVOKER: a producer needs the grants it needed
 -- for the statement this replaces; EXECUTE is granted to PUBLIC, as for any
--- new function, and gives no other right). PL/pgSQL keeps each statement's plan for the
--- rest of the session, so a call is parsed and planned as a one-line SELECT,
--- where the statement it replaces (three data-modifying CTEs, about 1.5 kB of
--- SQL) was parsed and planned anew on every call: the drivers most producers
--- use (psycopg2, and psycopg 3 before its fifth execution) send statements
--- with their parameters inlined, unprepared. The plans live in the server
--- session, so they also hold behind a transaction-mode connection pooler,
--- where prepared statements do not.
+-- new function, and gives no other right). PL/pgSQL keeps each statement's
+-- plan for the rest of the session, so a call is parsed and planned as a
+-- one-line SELECT, where the statement it replaces (three data-modifying
+-- CTEs, about 1.5 kB of SQL) was parsed and planned anew on every call: the
+-- drivers most producers use send it unprepared (psycopg2 always, with the
+-- parameters inlined; psycopg 3 until its fifth execution on a connection).
+-- The plans live in the server session, so they also hold behind a
+-- transaction-mode connection pooler, where prepared statements do not.
 --
 -- The key's counter is taken first and held until the commit: sequence order
 -- is commit order. The key goes to {arrivals} (see 0002_arrivals.sql). The
@@ -49,9 +49,12 @@ BEGIN
     VALUES (p_ordering_key, assigned, due)
     ON CONFLICT (ordering_key) DO NOTHING;
 
-    IF p_notify AND NOT pg_try_advisory_xact_lock_shared({wake_lock}) THEN
-        PERFORM pg_notify({channel_literal}, '');
-        RETURN true;
+    -- Nested, so that the lock is tried only when notifying is on.
+    IF p_notify THEN
+        IF NOT pg_try_advisory_xact_lock_shared({wake_lock}) THEN
+            PERFORM pg_notify({channel_literal}, '');
+            RETURN true;
+        END IF;
     END IF;
     RETURN false;
 END
