@@ -417,9 +417,9 @@ class Outbox:
     def _can_call_function(self, connection: Connection) -> bool:
         """Whether this session may call the single-event function (migration 0003).
 
-        Asked once per driver connection (the answer is kept in its ``info``,
-        which lives as long as the pooled connection), and a yes once per
-        engine: an outbox whose tables were made without the migrations (from
+        A yes holds for the engine; a no is kept in the driver connection's
+        ``info`` (which lives as long as the pooled connection), so each
+        connection asks at most once: an outbox whose tables were made without the migrations (from
         :mod:`outbox_kafka.tables`), a database not migrated yet, or a role
         without EXECUTE gets the batch statement instead, which needs only the
         table grants. The answer assumes that the engine's role keeps its
@@ -429,20 +429,21 @@ class Outbox:
         engine = connection.engine
         if engine in self._function_callable_on:
             return True
-        info = connection.info
-        key = ("outbox_kafka.enqueue_one", self._config.names.enqueue_one_signature)
-        found = info.get(key)
-        if found is None:
-            found = info[key] = bool(
-                connection.execute(
-                    self._queries["enqueue_function_callable"],
-                    {"signature": self._config.names.enqueue_one_signature},
-                ).scalar_one()
-            )
+        signature = self._config.names.enqueue_one_signature
+        refused = ("outbox_kafka.enqueue_one refused", signature)
+        if refused in connection.info:
+            return False
+        found = bool(
+            connection.execute(
+                self._queries["enqueue_function_callable"], {"signature": signature}
+            ).scalar_one()
+        )
         if found:
-            # Also for the engine's other connections, however short-lived (NullPool).
+            # For the engine's other connections too, however short-lived (NullPool).
             self._function_callable_on.add(engine)
-        return bool(found)
+        else:
+            connection.info[refused] = True
+        return found
 
 
 def _routes(routes: Mapping[str, str] | Iterable[Route] | None) -> list[Route]:

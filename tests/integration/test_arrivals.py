@@ -28,6 +28,7 @@ from tests.relay_support import (
     make_settings,
     per_key_order,
     rows,
+    scalar,
     topic_outbox,
 )
 
@@ -138,6 +139,40 @@ def test_two_writers_of_one_key_still_fail_to_serialize(engine: sa.Engine, level
         b.rollback()
 
 
+def _migrate_by_hand(engine: sa.Engine, names: TableNames, version: int) -> None:
+    """Bring a new outbox up to ``version`` only, as an older release left it."""
+    q = queries_for(names)
+    with engine.begin() as conn:
+        conn.execute(q["create_versions_table"])
+        applied = q.migrations()[:version]
+        assert [m.version for m in applied] == list(range(1, version + 1))
+        for migration in applied:
+            conn.execute(sa.text(migration.sql))
+            conn.execute(
+                q["record_version"], {"version": migration.version, "name": migration.name}
+            )
+
+
+def _drain_in_key_order(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    names: TableNames,
+    topic: str,
+    expected: list[str],
+) -> None:
+    """A relay sends everything; KEY's events arrive as ``expected``, nothing is stranded."""
+    records_wanted = scalar(engine, f"SELECT count(*) FROM {names.table}")
+    relay = Relay(make_settings(database_url, kafka_bootstrap, table=names.table))
+    try:
+        assert relay.drain().delivered == records_wanted
+    finally:
+        relay.close()
+    records = consume_all(kafka_bootstrap, topic, records_wanted)
+    assert per_key_order(records)[KEY] == expected
+    assert check_consistency(engine, names).ok
+
+
 def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:
@@ -146,14 +181,9 @@ def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
     topic = new_topic(partitions=1)
     names = TableNames(table="legacy")
     outbox = Outbox(allow_unknown_types=True, table="legacy")
-    q = queries_for(names)
     old_events = [outbox.encode(Event(type="t", key=KEY, data=n, topic=topic)) for n in (0, 1)]
+    _migrate_by_hand(engine, names, 1)
     with engine.begin() as conn:
-        conn.execute(q["create_versions_table"])
-        first = q.migrations()[0]
-        assert first.version == 1
-        conn.execute(sa.text(first.sql))
-        conn.execute(q["record_version"], {"version": 1, "name": first.name})
         # What a version-1 enqueue wrote: the event, the counter, the queue row.
         for seq, encoded in enumerate(old_events, start=1):
             conn.execute(
@@ -178,14 +208,15 @@ def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
     with engine.begin() as conn:
         third = outbox.enqueue(conn, type="t", key=KEY, data=2, topic=topic)
         outbox.enqueue(conn, type="t", key="other", data=0, topic=topic)
-    relay = Relay(make_settings(database_url, kafka_bootstrap, table="legacy"))
-    try:
-        assert relay.drain().delivered == 4
-    finally:
-        relay.close()
-    records = consume_all(kafka_bootstrap, topic, 4)
-    assert per_key_order(records)[KEY] == [*(str(e.event_id) for e in old_events), str(third)]
-    assert check_consistency(engine, names).ok
+    assert scalar(engine, "SELECT count(*) FROM legacy") == 4
+    _drain_in_key_order(
+        engine,
+        database_url,
+        kafka_bootstrap,
+        names,
+        topic,
+        [*(str(e.event_id) for e in old_events), str(third)],
+    )
 
 
 def test_a_producer_ahead_of_its_schema_writes_with_the_statement_until_it_is_migrated(
@@ -197,14 +228,7 @@ def test_a_producer_ahead_of_its_schema_writes_with_the_statement_until_it_is_mi
     topic = new_topic(partitions=1)
     names = TableNames(table="behind")
     outbox = Outbox(allow_unknown_types=True, table="behind")
-    q = queries_for(names)
-    with engine.begin() as conn:
-        conn.execute(q["create_versions_table"])
-        for migration in q.migrations()[:2]:
-            conn.execute(sa.text(migration.sql))
-            conn.execute(
-                q["record_version"], {"version": migration.version, "name": migration.name}
-            )
+    _migrate_by_hand(engine, names, 2)
     before = make_engine(database_url)
     try:
         with before.begin() as conn:
@@ -223,14 +247,10 @@ def test_a_producer_ahead_of_its_schema_writes_with_the_statement_until_it_is_mi
             third = outbox.enqueue(conn, type="t", key=KEY, data=2, topic=topic)
     finally:
         after.dispose()
-    relay = Relay(make_settings(database_url, kafka_bootstrap, table="behind"))
-    try:
-        assert relay.drain().delivered == 3
-    finally:
-        relay.close()
-    records = consume_all(kafka_bootstrap, topic, 3)
-    assert per_key_order(records)[KEY] == [str(first), str(second), str(third)]
-    assert check_consistency(engine, names).ok
+    assert scalar(engine, "SELECT count(*) FROM behind") == 3
+    _drain_in_key_order(
+        engine, database_url, kafka_bootstrap, names, topic, [str(first), str(second), str(third)]
+    )
 
 
 def test_claims_take_in_every_arrival_in_sweeps_and_say_when_some_are_left(
