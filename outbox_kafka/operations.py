@@ -384,6 +384,7 @@ def outbox_stats(
             for row in conn.execute(q["stats_topic_counts"], {"count_delivered": count_delivered}):
                 counts.setdefault(row.topic, {})[row.status] = int(row.n)
             backlog = conn.execute(q["stats_backlog"]).one()
+            age = conn.execute(q["oldest_pending_age"]).scalar_one()
             parked = [
                 ParkedKey.from_row(r)
                 for r in conn.execute(q["stats_parked_keys"], {"limit": max(0, parked_limit)})
@@ -401,7 +402,6 @@ def outbox_stats(
         )
         for topic, found in sorted(counts.items())
     ]
-    age = backlog.oldest_pending_age
     return OutboxStats(
         table=names.qualified_events,
         topics=topics,

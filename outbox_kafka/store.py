@@ -413,8 +413,9 @@ class Store:
     def backlog(self, timeout: float) -> Backlog:
         """Pending events, the oldest one's age and parked keys, in one snapshot.
 
-        Reads the key queue and the partial index on pending events' creation
-        time, never the event rows, so a sample stays cheap at any backlog.
+        Reads the key queue, the key counters and each queued key's first
+        pending event, never the rest of the event rows, so a sample costs
+        one probe per key with work at any backlog.
         """
         with _translated("sampling the backlog"), self._engine.connect() as conn:
             snapshot = conn.execution_options(

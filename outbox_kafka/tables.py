@@ -83,9 +83,6 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
             postgresql_where=text("status = 'pending'"),
         ),
         Index(
-            f"{names.table}_pending_idx", "created_at", postgresql_where=text("status = 'pending'")
-        ),
-        Index(
             f"{names.table}_delivered_idx",
             "delivered_at",
             postgresql_where=text("status = 'delivered'"),

@@ -370,9 +370,26 @@ WHERE event_id IN (
   AND created_at < now() - make_interval(secs => :older_than_seconds);
 
 -- name: oldest_pending_age
--- Seconds since the oldest pending event was written (NULL when none).
-SELECT EXTRACT(EPOCH FROM now() - min(created_at)) AS age
-FROM {events} WHERE status = 'pending';
+-- Seconds since the oldest pending event was written (NULL when none). The
+-- events of a key are written in sequence order (the key's counter row is
+-- held until commit), so the oldest pending event is the first pending event
+-- of one of the queued keys: one probe of the claim index per key with work
+-- (in the key queue or among the arrivals), however many events they hold. A
+-- pending event whose key is in neither is a consistency violation, counted
+-- there, not here.
+WITH queued AS (
+    SELECT ordering_key FROM {keys}
+    UNION
+    SELECT ordering_key FROM {arrivals}
+)
+SELECT EXTRACT(EPOCH FROM now() - min(head.created_at)) AS age
+FROM queued q
+CROSS JOIN LATERAL (
+    SELECT e.created_at FROM {events} e
+    WHERE e.ordering_key = q.ordering_key AND e.status = 'pending'
+    ORDER BY e.seq
+    LIMIT 1
+) head;
 
 -- name: pending_events_estimate
 -- Pending events without counting event rows: for each queued key, the
@@ -481,12 +498,9 @@ FROM {events} WHERE status = 'delivered' AND :count_delivered GROUP BY topic
 ORDER BY 1, 2;
 
 -- name: stats_backlog
--- Age of the oldest pending event (through the pending index) and the key
--- queue at a glance: keys with work (those among the arrivals included),
--- keys leased by a relay, parked keys.
-SELECT (SELECT EXTRACT(EPOCH FROM now() - min(created_at))
-        FROM {events} WHERE status = 'pending') AS oldest_pending_age,
-       count(*) + (SELECT count(*) FROM {arrivals} a
+-- The key queue at a glance: keys with work (those among the arrivals
+-- included), keys leased by a relay, parked keys.
+SELECT count(*) + (SELECT count(*) FROM {arrivals} a
                    WHERE NOT EXISTS (SELECT 1 FROM {keys} k
                                      WHERE k.ordering_key = a.ordering_key)) AS keys_queued,
        count(*) FILTER (WHERE claim_token IS NOT NULL AND lease_expires_at > now()) AS keys_leased,

@@ -433,7 +433,7 @@ def test_samples_never_scan_the_events_table(engine: sa.Engine) -> None:
             )
             assert read <= 500, f"{name}: {node['Node Type']} on {where} reads {read} rows"
             if node.get("Relation Name") == "outbox":
-                assert node.get("Index Name") == "outbox_pending_idx", (
+                assert node.get("Index Name") == "outbox_claim_idx", (
                     f"{name} reads the events table: {json.dumps(plan)[:2000]}"
                 )
 

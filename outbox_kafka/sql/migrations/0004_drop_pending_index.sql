@@ -1,0 +1,13 @@
+-- The partial index on pending events' creation time goes: every enqueue
+-- paid for one more index entry (and every delivery for its dead one) to
+-- serve a single reader, the oldest pending age, which now reads each queued
+-- key's first pending event through the claim index instead (see
+-- oldest_pending_age in queries.sql). Measured with pgbench, 8 clients, a
+-- business row plus one event per transaction: about 8% more committed
+-- transactions per second without it.
+--
+-- DROP INDEX takes the events table's ACCESS EXCLUSIVE lock until the
+-- migration commits: quick whatever the index's size, but it first waits for
+-- the transactions that use the table, and enqueues and relays wait behind
+-- it for as long (run it when no long transaction holds the table).
+DROP INDEX IF EXISTS {schema}.{events_pending_idx};
