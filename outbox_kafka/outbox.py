@@ -44,14 +44,11 @@ from .errors import (
     UnknownEventType,
     UnsafeConnection,
 )
+from .limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from .metrics import counts_enqueue_failures, producer_metrics
 from .naming import TableNames
 from .queries import Queries, pg_array, pg_int_array, pg_text_array, queries_for
 from .validation import CompiledSchema, EventSchemas, envelope_schema, load_event_schemas
-
-#: Kafka's default ``message.max.bytes`` is 1 MiB; keep 16 KiB for record overhead.
-DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 - 16 * 1024
-DEFAULT_MAX_KEY_BYTES = 1024
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from .errors import ConfigurationError
+from .limits import KAFKA_MESSAGE_MAX_BYTES
 from .logs import librdkafka_logger
 from .validation import envelope_schema
 
@@ -137,7 +138,9 @@ class Publisher:
         self._metadata_timeout = metadata_timeout
         self._metadata_retry_at = 0.0
         self._metadata_error = ""
-        self.max_message_bytes = int(producer_config.get("message.max.bytes", 1_000_000))
+        self.max_message_bytes = int(
+            producer_config.get("message.max.bytes", KAFKA_MESSAGE_MAX_BYTES)
+        )
         self._producer = self._new_producer()
         self._fatal = False
         self._admin: AdminClient | None = None

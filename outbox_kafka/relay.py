@@ -26,6 +26,7 @@ from tenacity import (
 
 from .envelope import check_topic, message_size
 from .errors import EventError, StorageError
+from .limits import enqueue_limit_for
 from .metrics import RelayMetrics
 from .publisher import (
     DELIVERED,
@@ -586,8 +587,10 @@ class Relay:
         if size > self.publisher.max_message_bytes:
             return (
                 PERMANENT,
-                f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over the producer's "
-                f"message.max.bytes ({self.publisher.max_message_bytes})",
+                f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over the relay's "
+                f"message.max.bytes ({self.publisher.max_message_bytes}; producers of this "
+                "relay should pass max_message_bytes="
+                f"{enqueue_limit_for(self.publisher.max_message_bytes)} to Outbox)",
             )
         return None
 

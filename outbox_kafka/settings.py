@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import ConfigurationError
+from .limits import KAFKA_MESSAGE_MAX_BYTES, KEY_PARTITIONERS
 from .naming import TableNames
 
 KAFKA_ENV_PREFIX = "OUTBOX_KAFKA_CONFIG_"
@@ -18,6 +19,7 @@ KAFKA_ENV_PREFIX = "OUTBOX_KAFKA_CONFIG_"
 FORCED_KAFKA = {"enable.idempotence": "true", "acks": "all"}
 _ACKS_ALIASES = {"acks", "request.required.acks"}
 _TIMEOUT_KEYS = ("delivery.timeout.ms", "message.timeout.ms")
+_MIN_MESSAGE_MAX_BYTES = 1000
 #: Keys whose values are secrets: never logged, never shown.
 SECRET_KAFKA_KEYS = frozenset(
     {
@@ -105,6 +107,13 @@ class RelaySettings:
                 raise ConfigurationError(
                     f"Kafka setting {key}={value} is not allowed: use acks=all"
                 )
+            if key == "partitioner" and str(value) not in KEY_PARTITIONERS:
+                raise ConfigurationError(
+                    f"Kafka setting partitioner={value} is not allowed: the relay needs "
+                    f"{' or '.join(KEY_PARTITIONERS)}, so that every event of a key goes to "
+                    "the same partition, the one a Java client would choose"
+                )
+        self._check_message_max_bytes()
         check_kafka_security(self.kafka_config)
         timeout = self.effective_delivery_timeout_ms
         limit = self.lease_seconds * 1000 * 0.8
@@ -123,6 +132,22 @@ class RelaySettings:
                 check_topic(self.dead_letter_topic)
             except EventError as exc:
                 raise ConfigurationError(f"dead-letter topic: {exc.reason}") from None
+
+    def _check_message_max_bytes(self) -> None:
+        value = self.kafka_config.get("message.max.bytes")
+        if value is None:
+            return
+        try:
+            size = int(value)
+        except ValueError:
+            raise ConfigurationError(
+                f"Kafka setting message.max.bytes={value!r} is not an integer"
+            ) from None
+        if size < _MIN_MESSAGE_MAX_BYTES:
+            raise ConfigurationError(
+                f"Kafka setting message.max.bytes={size} is too small: librdkafka's "
+                f"minimum is {_MIN_MESSAGE_MAX_BYTES}"
+            )
 
     @property
     def names(self) -> TableNames:
@@ -147,6 +172,7 @@ class RelaySettings:
             "partitioner": "murmur2_random",
             "compression.type": self.compression,
             "linger.ms": "5",
+            "message.max.bytes": str(KAFKA_MESSAGE_MAX_BYTES),
             "allow.auto.create.topics": "false",
             "queue.buffering.max.messages": str(max(100_000, self.batch_size * 4)),
             # Feeds the outbox_kafka_* gauges through the producer's stats_cb.
@@ -165,6 +191,7 @@ class RelaySettings:
             "partitioner",
             "compression.type",
             "linger.ms",
+            "message.max.bytes",
             "queue.buffering.max.messages",
             "delivery.timeout.ms",
             "allow.auto.create.topics",

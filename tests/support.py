@@ -24,7 +24,7 @@ from outbox_kafka import (
     MissingTopic,
     UnknownEventType,
 )
-from outbox_kafka.outbox import DEFAULT_MAX_MESSAGE_BYTES
+from outbox_kafka.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 EVENT_SCHEMAS = REPO / "schemas" / "events"

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from outbox_kafka import ConfigurationError
+from outbox_kafka import ConfigurationError, Outbox
+from outbox_kafka.limits import (
+    DEFAULT_MAX_KEY_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    KAFKA_MESSAGE_MAX_BYTES,
+    enqueue_limit_for,
+)
 from outbox_kafka.naming import TableNames
 from outbox_kafka.settings import RelaySettings
 from outbox_kafka.store import Store
@@ -84,6 +90,74 @@ def test_delivery_timeout_of_exactly_80_percent_is_accepted() -> None:
     assert settings.producer_config()["delivery.timeout.ms"] == "4000"
     assert settings.producer_config()["enable.idempotence"] == "true"
     assert settings.producer_config()["acks"] == "all"
+
+
+@pytest.mark.parametrize("partitioner", ["random", "consistent_random", "fnv1a_random"])
+def test_a_partitioner_other_than_murmur2_is_refused(partitioner: str) -> None:
+    """Any other partitioner would send a key's events to another partition than
+    Java clients do (or, for random, to several)."""
+    with pytest.raises(ConfigurationError) as caught:
+        RelaySettings(
+            database_url="postgresql://u@h/d",
+            bootstrap_servers="h:9092",
+            kafka_config={"partitioner": partitioner},
+        )
+    assert f"partitioner={partitioner} is not allowed" in str(caught.value)
+    assert "murmur2_random" in str(caught.value)
+
+
+def test_murmur2_partitioners_are_accepted_and_the_default_is_murmur2_random() -> None:
+    default = RelaySettings(database_url="postgresql://u@h/d", bootstrap_servers="h:9092")
+    assert default.producer_config()["partitioner"] == "murmur2_random"
+    plain = RelaySettings(
+        database_url="postgresql://u@h/d",
+        bootstrap_servers="h:9092",
+        kafka_config={"partitioner": "murmur2"},
+    )
+    assert plain.producer_config()["partitioner"] == "murmur2"
+
+
+def test_the_relays_message_size_limit_is_above_what_enqueue_accepts_by_default() -> None:
+    """One limit: enqueue's default leaves the record framing below the relay's
+    message.max.bytes, so an event enqueue accepts is never too large to send."""
+    config = RelaySettings(
+        database_url="postgresql://u@h/d", bootstrap_servers="h:9092"
+    ).producer_config()
+    assert int(config["message.max.bytes"]) == KAFKA_MESSAGE_MAX_BYTES
+    assert enqueue_limit_for(KAFKA_MESSAGE_MAX_BYTES) == DEFAULT_MAX_MESSAGE_BYTES
+    assert Outbox(allow_unknown_types=True).limits == (
+        DEFAULT_MAX_KEY_BYTES,
+        DEFAULT_MAX_MESSAGE_BYTES,
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"), [("lots", "is not an integer"), ("999", "is too small")]
+)
+def test_a_message_max_bytes_that_cannot_work_is_refused(value: str, problem: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        RelaySettings(
+            database_url="postgresql://u@h/d",
+            bootstrap_servers="h:9092",
+            kafka_config={"message.max.bytes": value},
+        )
+    assert "Kafka setting message.max.bytes=" in str(caught.value)
+    assert problem in str(caught.value)
+
+
+def test_cli_refuses_a_random_partitioner() -> None:
+    result = run_cli(
+        "relay",
+        "--database-url",
+        "postgresql://nobody@127.0.0.1:1/nothing",
+        "--bootstrap-servers",
+        "127.0.0.1:1",
+        "--kafka-config",
+        "partitioner=random",
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "partitioner=random is not allowed" in result.stderr
 
 
 def test_cli_refuses_a_delivery_timeout_longer_than_the_lease_allows() -> None:

@@ -28,6 +28,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from outbox_kafka import Event
 from outbox_kafka.embedded import EmbeddedBroker
+from outbox_kafka.envelope import headers_from_json, message_size
+from outbox_kafka.limits import DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
 from outbox_kafka.queries import pg_int_array, pg_text_array, queries_for
@@ -531,6 +533,35 @@ def _poison_setup(
         with engine.begin() as conn:
             conn.execute(sa.text(corruption[poison]), {"id": poison_id})
     return dict(written), poison_id, original
+
+
+def test_an_event_enqueue_accepts_near_its_size_limit_is_delivered(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """Enqueue and the relay share one limit: an event of about 1,015,000 bytes, above
+    librdkafka's default message.max.bytes (1,000,000) and within enqueue's default
+    limit, goes out (it used to be committed, then discarded as MSG_SIZE_TOO_LARGE)."""
+    topic = new_topic(1)
+    outbox = topic_outbox()
+    with engine.begin() as conn:
+        [event_id] = outbox.enqueue_many(
+            conn, [Event(type="t.e", key="big", data={"pad": "x" * 1_015_000}, topic=topic)]
+        )
+    value, headers = rows(
+        engine,
+        "SELECT value, headers FROM outbox WHERE event_id = :id",
+        id=str(event_id),
+    )[0]
+    sent_headers = headers_from_json(headers)
+    assert sent_headers is not None
+    size = message_size(b"big", bytes(value), sent_headers)
+    assert 1_000_000 < size <= DEFAULT_MAX_MESSAGE_BYTES
+
+    report = drain(make_settings(database_url, kafka_bootstrap))
+    assert (report.delivered, report.discarded) == (1, 0)
+    [record] = consume_all(kafka_bootstrap, topic, 1)
+    assert record.ce_id == str(event_id)
+    assert record.raw == bytes(value)
 
 
 @pytest.mark.parametrize(
