@@ -152,6 +152,33 @@ def _worth_reading_ahead(claim: Claim, asked: int, batch_size: int) -> bool:
     return claim.event_count * 2 >= batch_size or len(claim.keys) >= asked
 
 
+#: Verdicts of events that did not reach the producer, or are still inside it.
+_UNSENT = "unsent"
+_UNREPORTED = "unreported"
+
+
+def _verdict_of(
+    event: ClaimedEvent, precheck: dict[int, tuple[str, str]], deliveries: dict[int, Delivery]
+) -> tuple[str, str | None]:
+    """What became of a claimed event in this batch: (verdict, error)."""
+    problem = precheck.get(id(event))
+    if problem is not None:
+        return problem
+    delivery = deliveries.get(id(event))
+    if delivery is None or not delivery.sent:
+        return _UNSENT, None
+    if not delivery.reported:
+        return _UNREPORTED, delivery.error
+    return delivery.verdict, delivery.error
+
+
+def _discard_reason(event: ClaimedEvent, verdict: str, error: str | None) -> str:
+    """Why an event is discarded: its error, or the attempts it was given."""
+    if verdict == PERMANENT:
+        return error or "unknown error"
+    return f"gave up after {event.attempts + 1} attempts: {error}"
+
+
 def _sendable(ck: ClaimedKey) -> list[ClaimedEvent]:
     """The key's claimed events that may go out in this batch: the due ones, in order,
     up to the first for another topic than the first's.
@@ -445,7 +472,7 @@ class Relay:
         if claim.keys:
             publish_started = time.monotonic()
             batch.key_outcomes, batch.event_outcomes, batch.report.sent = self._publish(
-                claim, claimed.problems
+                claim, claimed.problems, claimed.asked_at + self.settings.lease_seconds
             )
             self.metrics.publish_seconds.observe(time.monotonic() - publish_started)
         return batch
@@ -509,14 +536,23 @@ class Relay:
             self._keys_per_claim = min(batch, asked * 2)
 
     def _publish(
-        self, claim: Claim, problems: dict[int, tuple[str, str]]
+        self, claim: Claim, problems: dict[int, tuple[str, str]], lease_ends: float
     ) -> tuple[list[KeyOutcome], list[EventOutcome], int]:
-        """Send the claimed events; decide every key's and event's next state."""
+        """Send the claimed events; decide every key's and event's next state.
+
+        Everything sent under the claim's lease is started only while a whole
+        delivery timeout of the lease is left, so it is delivered or timed out
+        before another relay can take the keys: the events, with the
+        dead-letter copies of events already known to be discarded, in one
+        send; then, in a second send, the copies of events the broker's
+        answers discarded.
+        """
         key_outcomes: list[KeyOutcome] = []
         plans: list[tuple[ClaimedKey, list[ClaimedEvent]]] = []
         to_send: list[Message] = []
         sendable: list[ClaimedEvent] = []
         precheck: dict[int, tuple[str, str]] = {}
+        discarded_first: list[tuple[ClaimedEvent, str]] = []
 
         for ck in claim.keys:
             due = _sendable(ck)
@@ -541,16 +577,32 @@ class Relay:
                     # becomes of this event (retry, park, discard), it is settled
                     # before anything behind it is sent.
                     precheck[id(event)] = problem
+                    if self._gives_up(event, problem[0]):
+                        discarded_first.append((event, _discard_reason(event, *problem)))
                     break
                 sendable.append(event)
                 to_send.append(Message(event.topic, key, event.value, event.headers or []))
 
+        copies: dict[int, tuple[str, str | None]] = {}
+        first_copies = self._dead_letter_messages(discarded_first, copies)
         deliveries_by_event: dict[int, Delivery] = {}
-        if to_send:
-            deliveries = self.publisher.send(
-                to_send, timeout=self._send_timeout, abort=self._past_shutdown_deadline
+        if to_send or first_copies:
+            deliveries = self._send_within_lease(to_send + first_copies, lease_ends)
+            sent = deliveries[: len(to_send)]
+            deliveries_by_event = {id(e): d for e, d in zip(sendable, sent, strict=True)}
+            self._note_copies(discarded_first, deliveries[len(to_send) :], copies)
+
+        discarded_later = [
+            (event, reason)
+            for ck, due in plans
+            for event, reason in self._discards(due, precheck, deliveries_by_event)
+            if id(event) not in copies
+        ]
+        later_copies = self._dead_letter_messages(discarded_later, copies)
+        if later_copies:
+            self._note_copies(
+                discarded_later, self._send_within_lease(later_copies, lease_ends), copies
             )
-            deliveries_by_event = {id(e): d for e, d in zip(sendable, deliveries, strict=True)}
 
         event_outcomes: list[EventOutcome] = []
         published: dict[str, int] = {}
@@ -560,6 +612,7 @@ class Relay:
                 due,
                 precheck,
                 deliveries_by_event,
+                copies,
                 event_outcomes,
                 claim.per_key_limit,
                 published,
@@ -568,6 +621,98 @@ class Relay:
         for topic, count in published.items():
             self.metrics.published.labels(topic=topic).inc(count)
         return key_outcomes, event_outcomes, len(to_send)
+
+    def _send_within_lease(self, messages: list[Message], lease_ends: float) -> list[Delivery]:
+        """Send ``messages`` if the lease outlasts their delivery timeout; else none (unsent).
+
+        Metadata lookups and topic creation before the send count against the
+        lease: they have run by now.
+        """
+        left = lease_ends - time.monotonic()
+        if left < self._delivery_timeout:
+            log.warning(
+                "too little of the lease left to send; the keys go back to the queue",
+                extra={
+                    "action": "send_skipped",
+                    "messages": len(messages),
+                    "lease_left_seconds": round(max(0.0, left), 3),
+                },
+            )
+            return [Delivery() for _ in messages]
+        return self.publisher.send(
+            messages, timeout=self._send_timeout, abort=self._past_shutdown_deadline
+        )
+
+    def _gives_up(self, event: ClaimedEvent, verdict: str) -> bool:
+        """Whether an event that failed with ``verdict`` this time is discarded (or parked)."""
+        return verdict == PERMANENT or event.attempts + 1 >= self.settings.max_attempts
+
+    def _discards(
+        self,
+        due: list[ClaimedEvent],
+        precheck: dict[int, tuple[str, str]],
+        deliveries: dict[int, Delivery],
+    ) -> list[tuple[ClaimedEvent, str]]:
+        """The events of one key that :meth:`_settle_key` discards, with their reasons,
+        if every dead-letter copy succeeds (a failed copy holds the key at its event,
+        so a later one may have been copied in vain: copies are at least once)."""
+        found: list[tuple[ClaimedEvent, str]] = []
+        for event in due:
+            verdict, error = _verdict_of(event, precheck, deliveries)
+            if verdict == DELIVERED:
+                continue
+            if verdict in (_UNSENT, _UNREPORTED) or not self._gives_up(event, verdict):
+                break
+            found.append((event, _discard_reason(event, verdict, error)))
+            if self.settings.on_exhausted == "park":
+                break
+        return found
+
+    def _dead_letter_messages(
+        self, discarded: list[tuple[ClaimedEvent, str]], copies: dict[int, tuple[str, str | None]]
+    ) -> list[Message]:
+        """The dead-letter copies of ``discarded`` to send; where none can be sent (no
+        dead-letter topic, or a topic problem), the copy's verdict goes in ``copies``."""
+        topic = self.settings.dead_letter_topic
+        if not discarded:
+            return []
+        if topic is None:
+            copies.update((id(event), (DELIVERED, None)) for event, _ in discarded)
+            return []
+        problem = self.publisher.topic_problem(topic)
+        if problem is not None:
+            copies.update((id(event), problem) for event, _ in discarded)
+            return []
+        return [
+            Message(
+                topic,
+                event.key.encode(),
+                event.value,
+                [
+                    *(event.headers or []),
+                    ("outbox_error", reason.encode("utf-8", "replace")[:4096]),
+                    ("outbox_original_topic", event.topic.encode()),
+                ],
+            )
+            for event, reason in discarded
+        ]
+
+    @staticmethod
+    def _note_copies(
+        discarded: list[tuple[ClaimedEvent, str]],
+        deliveries: list[Delivery],
+        copies: dict[int, tuple[str, str | None]],
+    ) -> None:
+        """Record how the dead-letter copies of ``discarded`` fared, where they were sent."""
+        for (event, _), delivery in zip(discarded, deliveries, strict=False):
+            if id(event) in copies:
+                continue
+            if not delivery.sent:
+                copies[id(event)] = (RETRIABLE, "the dead-letter copy was not sent in this batch")
+            elif not delivery.reported:
+                copies[id(event)] = (RETRIABLE, "no delivery report for the dead-letter copy")
+            else:
+                copies[id(event)] = (delivery.verdict, delivery.error)
 
     def _check_event(self, event: ClaimedEvent, key: bytes) -> tuple[str, str] | None:
         """What is wrong with the event itself, if anything: (verdict, reason)."""
@@ -600,6 +745,7 @@ class Relay:
         due: list[ClaimedEvent],
         precheck: dict[int, tuple[str, str]],
         deliveries: dict[int, Delivery],
+        copies: dict[int, tuple[str, str | None]],
         out: list[EventOutcome],
         per_key_limit: int,
         published: dict[str, int],
@@ -621,19 +767,9 @@ class Relay:
         #: still should before anything after it (retry, unsent, parked).
         held_back: ClaimedEvent | None = None
         for event in due:
-            problem = precheck.get(id(event))
-            delivery = deliveries.get(id(event))
-            if problem is not None:
-                verdict, error = problem
-            elif delivery is None or not delivery.sent:
-                verdict, error = "unsent", None
-            elif not delivery.reported:
-                verdict, error = "unreported", delivery.error
-            else:
-                verdict, error = delivery.verdict, delivery.error
-
+            verdict, error = _verdict_of(event, precheck, deliveries)
             if verdict == DELIVERED:
-                assert delivery is not None
+                delivery = deliveries[id(event)]
                 if held_back is not None:
                     self._order_violated(held_back, event)
                 out.append(
@@ -652,17 +788,16 @@ class Relay:
                 continue
             if blocked:
                 continue
-            if verdict in ("unsent", "unreported"):
+            if verdict in (_UNSENT, _UNREPORTED):
                 # Not handed over, or still inside the producer: leave it pending and
                 # keep the key off limits for a lease period so no copy overtakes it.
                 held_back = held_back or event
                 blocked = True
                 next_seq = event.seq
-                delay = settings.lease_seconds if verdict == "unreported" else 0.0
+                delay = settings.lease_seconds if verdict == _UNREPORTED else 0.0
                 continue
             attempt = event.attempts + 1
-            exhausted = verdict == PERMANENT or attempt >= settings.max_attempts
-            if not exhausted:
+            if not self._gives_up(event, verdict):
                 self.metrics.retried.labels(topic=event.topic, reason=_reason(error)).inc()
                 log.warning(
                     "send failed, will retry", extra=_fields(event, "retry", attempt, error)
@@ -671,8 +806,21 @@ class Relay:
                 blocked, next_seq = True, event.seq
                 delay = self._retry_later(event, attempt, error, out)
                 continue
-            reason = error if verdict == PERMANENT else f"gave up after {attempt} attempts: {error}"
-            copy_verdict, copy_error = self._dead_letter(event, reason or "unknown error")
+            reason = _discard_reason(event, verdict, error)
+            copy_verdict, copy_error = copies.get(
+                id(event), (RETRIABLE, "the dead-letter copy was not sent in this batch")
+            )
+            if copy_verdict != DELIVERED:
+                log.error(
+                    "dead-letter copy failed",
+                    extra=_fields(
+                        event,
+                        "dead_letter_failed",
+                        attempt,
+                        copy_error,
+                        to=self.settings.dead_letter_topic,
+                    ),
+                )
             if copy_verdict == RETRIABLE:
                 # The dead-letter copy did not make it yet: keep the event, retry later.
                 held_back = held_back or event
@@ -733,34 +881,6 @@ class Relay:
             EventOutcome(event.event_id, event.key, "pending", 1, backoff, None, None, error)
         )
         return backoff
-
-    def _dead_letter(self, event: ClaimedEvent, reason: str) -> tuple[str, str | None]:
-        """Copy a discarded event to the dead-letter topic: (verdict, error).
-
-        DELIVERED when copied or when no dead-letter topic is configured.
-        """
-        topic = self.settings.dead_letter_topic
-        if topic is None:
-            return DELIVERED, None
-        headers = [
-            *(event.headers or []),
-            ("outbox_error", reason.encode("utf-8", "replace")[:4096]),
-            ("outbox_original_topic", event.topic.encode()),
-        ]
-        problem = self.publisher.topic_problem(topic)
-        if problem is None:
-            [delivery] = self.publisher.send(
-                [Message(topic, event.key.encode(), event.value, headers)],
-                timeout=self._send_timeout,
-            )
-            if delivery.verdict == DELIVERED:
-                return DELIVERED, None
-            problem = (delivery.verdict, delivery.error or "no delivery report")
-        log.error(
-            "dead-letter copy failed",
-            extra=_fields(event, "dead_letter_failed", event.attempts + 1, problem[1], to=topic),
-        )
-        return problem
 
     # Waiting, retrying, housekeeping -------------------------------------------
 

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from outbox_kafka.metrics import RelayMetrics
@@ -27,9 +31,14 @@ from outbox_kafka.relay import Relay
 from tests.relay_support import (
     RelayThread,
     TcpProxy,
+    consume_all,
     delivered_count,
+    discarded_count,
+    enqueue_bulk,
     make_settings,
     outbox_summary,
+    seq_events,
+    topic_outbox,
     wait_until,
 )
 from tests.reliability.harness import (
@@ -47,8 +56,36 @@ from tests.reliability.servers import RestartableBroker
 LEASE = 3.0
 
 
+@pytest.fixture
+def proxied_broker(tmp_path: Path) -> Iterator[tuple[TcpProxy, str]]:
+    """A broker its clients reach through a proxy that can hold its answers: (proxy, bootstrap)."""
+    proxy = TcpProxy(target_port=1)
+    broker = RestartableBroker(tmp_path / "broker", advertised_port=proxy.port)
+    proxy.set_target(broker.port)
+    proxy.start()
+    try:
+        yield proxy, f"127.0.0.1:{proxy.port}"
+    finally:
+        proxy.close()
+        broker.close()
+
+
+def two_relays(database_url: str, bootstrap: str, name: str, **settings: Any) -> list[RelayThread]:
+    """Two relays on one outbox, not started, each with metrics of its own."""
+    return [
+        RelayThread(
+            Relay(
+                make_settings(database_url, bootstrap, relay_id=f"{name}-{n}", **settings),
+                metrics=RelayMetrics(),
+            ),
+            name=f"relay-{n}",
+        )
+        for n in range(2)
+    ]
+
+
 def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
-    engine: sa.Engine, database_url: str, tmp_path: Path
+    engine: sa.Engine, database_url: str, proxied_broker: tuple[TcpProxy, str]
 ) -> None:
     slow_for = seconds(10, 45)
     delay = LEASE + 2
@@ -57,29 +94,16 @@ def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
     keys = [f"key-{i:03d}" for i in range(size(40, 200))]
     topic = f"slow-{uuid.uuid4().hex[:10]}"
 
-    proxy = TcpProxy(target_port=1)
-    broker = RestartableBroker(tmp_path / "broker", advertised_port=proxy.port)
-    proxy.set_target(broker.port)
-    proxy.start()
-    bootstrap = f"127.0.0.1:{proxy.port}"
+    proxy, bootstrap = proxied_broker
     create_topic(bootstrap, topic, 4)
-    relays = [
-        RelayThread(
-            Relay(
-                make_settings(
-                    database_url,
-                    bootstrap,
-                    lease_seconds=LEASE,
-                    delivery_timeout_ms=int(LEASE * 800),
-                    batch_size=200,
-                    relay_id=f"slow-{n}",
-                ),
-                metrics=RelayMetrics(),
-            ),
-            name=f"relay-{n}",
-        )
-        for n in range(2)
-    ]
+    relays = two_relays(
+        database_url,
+        bootstrap,
+        "slow",
+        lease_seconds=LEASE,
+        delivery_timeout_ms=int(LEASE * 800),
+        batch_size=200,
+    )
     collector = Collector(bootstrap, topic)
     clock = RecoveryClock(engine)
     writer = Writer(engine, topic, keys, total, rate=rate)
@@ -114,8 +138,6 @@ def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
             if r.is_alive():
                 r.stop(60)
         collector.close()
-        proxy.close()
-        broker.close()
     check_writer(engine, writer)
     lost_leases = leases_lost()
     assert sum(r.total("retried") for r in relays) > 0, "no send failed: the delay did not bite"
@@ -131,3 +153,52 @@ def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
         f"responses held {delay:.0f} s (lease {LEASE:.0f} s) for {slow_for:.0f} s; "
         f"{lost_leases:.0f} leases lost (outbox_leases_lost_total), fenced",
     )
+
+
+def test_many_discards_behind_a_slow_broker_fit_in_the_lease_and_are_copied_once(
+    engine: sa.Engine, database_url: str, proxied_broker: tuple[TcpProxy, str]
+) -> None:
+    """Hundreds of events that can never be sent, each answered 50 ms late by the
+    broker: their dead-letter copies go out with the batch, in one round trip, not
+    one send each (which took the batch far past its 2 s lease, so the other relay
+    took the keys and every event was copied twice). No lease is lost, and the
+    dead-letter topic holds exactly one copy of each discarded event."""
+    discards = size(300, 1_000)
+    lease = 2.0
+    topic = f"poisoned-{uuid.uuid4().hex[:10]}"
+    dead_letters = f"{topic}-dlq"
+
+    proxy, bootstrap = proxied_broker
+    create_topic(bootstrap, topic, 2)
+    create_topic(bootstrap, dead_letters, 2)
+    ids = enqueue_bulk(
+        engine, topic_outbox(), seq_events(topic, [f"k{i:04d}" for i in range(discards)], discards)
+    )
+    with engine.begin() as conn:  # each event's value is no envelope: a permanent failure
+        conn.execute(sa.text("UPDATE outbox SET value = convert_to('not json', 'UTF8')"))
+    relays = two_relays(
+        database_url,
+        bootstrap,
+        "poisoned",
+        lease_seconds=lease,
+        delivery_timeout_ms=int(lease * 800),
+        dead_letter_topic=dead_letters,
+        batch_size=1_000,
+    )
+    try:
+        proxy.set_delay(0.05)
+        for r in relays:
+            r.start()
+        wait_until(lambda: discarded_count(engine) == discards, 120)
+        copies = consume_all(bootstrap, dead_letters, discards, timeout=120)
+        for r in relays:
+            assert r.is_alive() and r.error is None, r.error
+    finally:
+        for r in relays:
+            if r.is_alive():
+                r.stop(60)
+    assert sum(r.total("leases_lost") for r in relays) == 0
+    assert sum(r.total("discarded") for r in relays) == discards
+    copied = Counter(record.ce_id for record in copies)
+    assert set(copied) == {str(i) for i in ids}
+    assert max(copied.values()) == 1, copied.most_common(3)
