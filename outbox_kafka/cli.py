@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from . import operations, reports
 from .database import make_engine
 from .errors import ConfigurationError, OutboxError
+from .limits import DEFAULT_MAX_CLAIM_BYTES
 from .logs import LOG_FORMATS, configure_logging, redact
 from .migrations import migrate, migration_script
 from .naming import TableNames
@@ -140,6 +141,7 @@ def _relay_settings(args: argparse.Namespace) -> RelaySettings:
         db_schema=args.db_schema,
         kafka_config=kafka,
         batch_size=args.batch_size,
+        max_claim_bytes=args.max_claim_bytes,
         poll_interval=args.poll_interval,
         lease_seconds=args.lease_seconds,
         delivery_timeout_ms=args.delivery_timeout_ms,
@@ -262,6 +264,14 @@ def _add_relay_parser(
     add_option(p, "--kafka-config-file", help="file of librdkafka key=value lines")
     add_table_options(p)
     add_option(p, "--batch-size", type=int, default=1000, help="events claimed per cycle")
+    add_option(
+        p,
+        "--max-claim-bytes",
+        type=int,
+        default=DEFAULT_MAX_CLAIM_BYTES,
+        help="bytes of event values and headers one claim reads at most (an event larger "
+        "than this still goes, alone); bounds the relay's memory, see the README",
+    )
     add_option(
         p, "--poll-interval", type=float, default=0.5, help="seconds between polls when idle"
     )

@@ -23,6 +23,9 @@ DEFAULT_MAX_KEY_BYTES = 1024
 #: The partitioners that send a key where a Java client sends it (murmur2);
 #: for keyed messages the two behave the same.
 KEY_PARTITIONERS = ("murmur2_random", "murmur2")
+#: The relay's claim budget: values and headers one claim reads at most (plus
+#: the event that crosses it). See the README's memory section for what it bounds.
+DEFAULT_MAX_CLAIM_BYTES = 32 * 1024 * 1024
 
 
 def enqueue_limit_for(message_max_bytes: int) -> int:

@@ -446,6 +446,7 @@ class Relay:
                 batch_size=self.settings.batch_size,
                 lease_seconds=self.settings.lease_seconds,
                 max_keys=keys_wanted,
+                max_bytes=self.settings.max_claim_bytes,
             ),
             stop_on_shutdown=True,
         )
@@ -557,8 +558,11 @@ class Relay:
         for ck in claim.keys:
             due = _sendable(ck)
             if not due:
-                # Nothing to send now: the key is empty, or its next event is not due yet.
-                if ck.events:
+                # Nothing to send now: the key is empty, its next event is not due
+                # yet, or its events were left out of the claim for its byte budget.
+                if ck.withheld and not ck.events:
+                    key_outcomes.append(KeyOutcome(ck.key, ck.next_seq, 0.0, False, False))
+                elif ck.events:
                     wait = max(0.0, ck.events[0].wait_seconds)
                     key_outcomes.append(KeyOutcome(ck.key, ck.next_seq, wait, False, False))
                 else:
@@ -845,8 +849,10 @@ class Relay:
                 next_seq = event.seq
         # Every claimed event was due, and the key had nothing more visible when
         # claimed: fewer events than asked for, or all it had been handed out.
-        drained = len(due) == len(ck.events) and (
-            len(ck.events) < per_key_limit or ck.waiting_beyond_claim == 0
+        drained = (
+            not ck.withheld
+            and len(due) == len(ck.events)
+            and (len(ck.events) < per_key_limit or ck.waiting_beyond_claim == 0)
         )
         exhausted_key = drained and not blocked and not parked
         return KeyOutcome(ck.key, next_seq, delay, parked, exhausted_key)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import ConfigurationError
-from .limits import KAFKA_MESSAGE_MAX_BYTES, KEY_PARTITIONERS
+from .limits import DEFAULT_MAX_CLAIM_BYTES, KAFKA_MESSAGE_MAX_BYTES, KEY_PARTITIONERS
 from .naming import TableNames
 
 KAFKA_ENV_PREFIX = "OUTBOX_KAFKA_CONFIG_"
@@ -47,6 +47,7 @@ class RelaySettings:
     db_schema: str = "public"
     kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
     batch_size: int = 1000
+    max_claim_bytes: int = DEFAULT_MAX_CLAIM_BYTES
     poll_interval: float = 0.5
     lease_seconds: float = 30.0
     delivery_timeout_ms: int = 10_000
@@ -75,6 +76,7 @@ class RelaySettings:
                 "no Kafka bootstrap servers (--bootstrap-servers or OUTBOX_KAFKA_BOOTSTRAP_SERVERS)"
             )
         _positive("batch_size", self.batch_size)
+        _positive("max_claim_bytes", self.max_claim_bytes)
         _positive("poll_interval", self.poll_interval)
         _positive("lease_seconds", self.lease_seconds)
         _positive("backoff_base", self.backoff_base)

@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from .database import make_engine, redact_url
 from .envelope import headers_from_text
 from .errors import StorageError
+from .limits import DEFAULT_MAX_CLAIM_BYTES
 from .naming import TableNames
 from .queries import pg_array, pg_text_array, queries_for
 
@@ -56,6 +57,8 @@ class ClaimedKey:
     events: list[ClaimedEvent] = field(default_factory=list)
     #: The last sequence number handed out for the key at claim time (None: unknown).
     last_seq: int | None = None
+    #: Events of the key were left out of the claim to keep it within its byte budget.
+    withheld: bool = False
 
     @property
     def waiting(self) -> int:
@@ -219,16 +222,26 @@ class Store:
             finally:
                 cur.close()
 
-    def claim(self, *, batch_size: int, lease_seconds: float, max_keys: int | None = None) -> Claim:
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease_seconds: float,
+        max_keys: int | None = None,
+        max_bytes: int = DEFAULT_MAX_CLAIM_BYTES,
+    ) -> Claim:
         """Lease up to ``max_keys`` keys (default ``batch_size``) and read their next events.
 
-        At most ``batch_size`` events come back, shared evenly between the keys.
+        At most ``batch_size`` events come back, shared evenly between the keys,
+        and events whose values and headers start past ``max_bytes`` stay in
+        the table (their keys marked ``withheld``); the first event always comes.
         """
         token = uuid.uuid4()
         params = {
             "token": str(token),
             "max_keys": max_keys or batch_size,
             "batch_size": batch_size,
+            "max_bytes": max_bytes,
             "lease_seconds": lease_seconds,
             "admit_limit": _ADMIT_PER_KEY * (max_keys or batch_size),
         }
@@ -254,10 +267,14 @@ class Store:
             attempts,
             wait_seconds,
             last_seq,
+            withheld,
         ) in rows:
             # Rows come ordered by key: a key's rows are consecutive.
             if claimed is None or claimed.key != key:
                 claimed = keys[key] = ClaimedKey(key, next_seq, last_seq=last_seq)
+            if withheld:
+                claimed.withheld = True
+                continue
             if event_id is None:
                 continue
             text: str | None = value
@@ -326,6 +343,7 @@ class Store:
                         "key_names": pg_text_array([key for key, _ in leased]),
                         "key_next_seqs": _int_array([next_seq for _, next_seq in leased]),
                         "batch_size": params["batch_size"],
+                        "max_bytes": params["max_bytes"],
                         "values_as_text": as_text,
                     },
                 )

@@ -169,40 +169,66 @@ RETURNING k.ordering_key, k.next_seq;
 -- not UTF-8 (only a row written behind the library's back); the relay then
 -- claims again without :values_as_text and gets every value in bytea's escape
 -- format, which any byte survives, at half the size of hex.
+--
+-- At most :max_bytes of values and headers come back (as stored, read from
+-- the values' headers without fetching them): the events that start past the
+-- budget, in key and sequence order, come with NULL id, value and headers and
+-- withheld set, so the relay hands their keys back untouched. The first event
+-- always comes, whatever its size.
 WITH claimed AS (
     SELECT *
     FROM unnest(CAST(:key_names AS text[]), CAST(:key_next_seqs AS bigint[]))
          AS c(ordering_key, next_seq)
 ), per_key AS (
     SELECT GREATEST(1, CAST(:batch_size AS bigint) / GREATEST(1, count(*))) AS n FROM claimed
+), read AS (
+    SELECT c.ordering_key,
+           c.next_seq,
+           e.event_id,
+           e.seq,
+           e.topic,
+           e.type,
+           e.value,
+           e.headers,
+           e.attempts,
+           e.available_at,
+           s.last_seq,
+           COALESCE(sum(octet_length(e.value) + pg_column_size(e.headers))
+                        OVER (ORDER BY c.ordering_key, e.seq ROWS UNBOUNDED PRECEDING)
+                    - (octet_length(e.value) + pg_column_size(e.headers))
+                    >= CAST(:max_bytes AS bigint),
+                    false) AS withheld
+    FROM claimed c
+    LEFT JOIN {seqs} s ON s.ordering_key = c.ordering_key
+    LEFT JOIN LATERAL (
+        SELECT *
+        FROM {events} ev
+        WHERE ev.ordering_key = c.ordering_key
+          AND ev.seq >= c.next_seq
+          AND ev.status = 'pending'
+        ORDER BY ev.seq
+        LIMIT (SELECT n FROM per_key)
+    ) e ON true
 )
-SELECT c.ordering_key,
-       c.next_seq,
-       CAST(e.event_id AS text) AS event_id,
-       e.seq,
-       e.topic,
-       e.type,
-       CASE WHEN :values_as_text THEN convert_from(e.value, 'UTF8')
-            ELSE encode(e.value, 'escape')
+SELECT ordering_key,
+       next_seq,
+       CASE WHEN NOT withheld THEN CAST(event_id AS text) END AS event_id,
+       seq,
+       topic,
+       type,
+       CASE WHEN withheld THEN NULL
+            WHEN :values_as_text THEN convert_from(value, 'UTF8')
+            ELSE encode(value, 'escape')
        END AS value,
-       CAST(e.headers AS text) AS headers,
-       e.attempts,
-       CASE WHEN e.available_at > now()
-            THEN CAST(EXTRACT(EPOCH FROM e.available_at - now()) AS double precision)
+       CASE WHEN NOT withheld THEN CAST(headers AS text) END AS headers,
+       attempts,
+       CASE WHEN available_at > now()
+            THEN CAST(EXTRACT(EPOCH FROM available_at - now()) AS double precision)
        END AS wait_seconds,
-       s.last_seq
-FROM claimed c
-LEFT JOIN {seqs} s ON s.ordering_key = c.ordering_key
-LEFT JOIN LATERAL (
-    SELECT *
-    FROM {events} ev
-    WHERE ev.ordering_key = c.ordering_key
-      AND ev.seq >= c.next_seq
-      AND ev.status = 'pending'
-    ORDER BY ev.seq
-    LIMIT (SELECT n FROM per_key)
-) e ON true
-ORDER BY c.ordering_key, e.seq;
+       last_seq,
+       withheld
+FROM read
+ORDER BY ordering_key, seq;
 
 -- name: finish_batch
 -- Records one batch's outcome in one statement, fenced by the claim token:

@@ -535,6 +535,53 @@ def _poison_setup(
     return dict(written), poison_id, original
 
 
+def test_claims_keep_to_their_byte_budget_and_every_event_still_goes_in_key_order(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """With a 25 kB claim budget, events of 10 kB come a few per claim (keys past the
+    budget are handed back untouched), one of 60 kB comes alone, and every event
+    of every key is delivered, in its key's order."""
+    topic = new_topic(2)
+    outbox = topic_outbox()
+    events = [
+        Event(type="t.e", key=key, data={"n": n, "pad": "x" * size}, topic=topic)
+        for n in range(8)
+        for key in ("a", "b", "c")
+        for size in [60_000 if (key, n) == ("b", 3) else 10_000]
+    ]
+    ids = enqueue_bulk(engine, outbox, events)
+    budget = 25_000
+    relay = Relay(make_settings(database_url, kafka_bootstrap, max_claim_bytes=budget))
+    claimed_bytes: list[int] = []
+    withheld_keys: list[int] = []
+    claim = relay.store.claim
+
+    def measured_claim(**kwargs: Any) -> Any:
+        result = claim(**kwargs)
+        claimed_bytes.append(sum(len(e.value) for k in result.keys for e in k.events))
+        withheld_keys.append(sum(k.withheld for k in result.keys))
+        return result
+
+    relay.store.claim = measured_claim  # type: ignore[method-assign]
+    try:
+        report = relay.drain()
+    finally:
+        relay.close()
+    assert (report.delivered, report.discarded) == (len(events), 0)
+    records = consume_all(kafka_bootstrap, topic, len(events))
+    assert per_key_order(records) == ids_by_key(events, [str(i) for i in ids])
+    largest = max(
+        len(bytes(v))
+        for (v,) in rows(engine, "SELECT value FROM outbox WHERE status = 'delivered'")
+    )
+    assert largest > budget
+    assert max(claimed_bytes) <= budget + largest
+    assert sum(withheld_keys) > 0, "no claim reached the budget"
+    assert len([b for b in claimed_bytes if b > 0]) >= sum(len(e.data["pad"]) for e in events) // (
+        budget + largest
+    )
+
+
 def test_an_event_enqueue_accepts_near_its_size_limit_is_delivered(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:

@@ -19,13 +19,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 
+from outbox_kafka.embedded import EmbeddedBroker
 from outbox_kafka.metrics import RelayMetrics
 from outbox_kafka.relay import Relay
 from tests.relay_support import (
@@ -51,23 +49,8 @@ from tests.reliability.harness import (
     wait_all_delivered,
 )
 from tests.reliability.report import seconds, size
-from tests.reliability.servers import RestartableBroker
 
 LEASE = 3.0
-
-
-@pytest.fixture
-def proxied_broker(tmp_path: Path) -> Iterator[tuple[TcpProxy, str]]:
-    """A broker its clients reach through a proxy that can hold its answers: (proxy, bootstrap)."""
-    proxy = TcpProxy(target_port=1)
-    broker = RestartableBroker(tmp_path / "broker", advertised_port=proxy.port)
-    proxy.set_target(broker.port)
-    proxy.start()
-    try:
-        yield proxy, f"127.0.0.1:{proxy.port}"
-    finally:
-        proxy.close()
-        broker.close()
 
 
 def two_relays(database_url: str, bootstrap: str, name: str, **settings: Any) -> list[RelayThread]:
@@ -85,7 +68,7 @@ def two_relays(database_url: str, bootstrap: str, name: str, **settings: Any) ->
 
 
 def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
-    engine: sa.Engine, database_url: str, proxied_broker: tuple[TcpProxy, str]
+    engine: sa.Engine, database_url: str, proxied_broker: tuple[TcpProxy, EmbeddedBroker]
 ) -> None:
     slow_for = seconds(10, 45)
     delay = LEASE + 2
@@ -94,7 +77,8 @@ def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
     keys = [f"key-{i:03d}" for i in range(size(40, 200))]
     topic = f"slow-{uuid.uuid4().hex[:10]}"
 
-    proxy, bootstrap = proxied_broker
+    proxy, _ = proxied_broker
+    bootstrap = f"127.0.0.1:{proxy.port}"
     create_topic(bootstrap, topic, 4)
     relays = two_relays(
         database_url,
@@ -156,7 +140,7 @@ def test_responses_slower_than_the_lease_are_retried_and_lose_nothing(
 
 
 def test_many_discards_behind_a_slow_broker_fit_in_the_lease_and_are_copied_once(
-    engine: sa.Engine, database_url: str, proxied_broker: tuple[TcpProxy, str]
+    engine: sa.Engine, database_url: str, proxied_broker: tuple[TcpProxy, EmbeddedBroker]
 ) -> None:
     """Hundreds of events that can never be sent, each answered 50 ms late by the
     broker: their dead-letter copies go out with the batch, in one round trip, not
@@ -168,7 +152,8 @@ def test_many_discards_behind_a_slow_broker_fit_in_the_lease_and_are_copied_once
     topic = f"poisoned-{uuid.uuid4().hex[:10]}"
     dead_letters = f"{topic}-dlq"
 
-    proxy, bootstrap = proxied_broker
+    proxy, _ = proxied_broker
+    bootstrap = f"127.0.0.1:{proxy.port}"
     create_topic(bootstrap, topic, 2)
     create_topic(bootstrap, dead_letters, 2)
     ids = enqueue_bulk(
