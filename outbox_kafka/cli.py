@@ -341,7 +341,8 @@ def _add_relay_parser(
         p,
         "--metrics-host",
         default=DEFAULT_METRICS_HOST,
-        help="address the metrics and health server listens on",
+        help="address the metrics and health server listens on; 0.0.0.0 is every "
+        "interface, 127.0.0.1 (or one interface's address) restricts it",
     )
     add_option(p, "--log-format", default="text", choices=LOG_FORMATS, help="log format")
     add_option(p, "--log-level", default="INFO", help="log level")

@@ -5,10 +5,19 @@ seconds (an idle relay completes one every poll interval; a cycle stuck on
 an unreachable database does not complete). Readiness: ``SELECT 1`` answers
 and a broker returns cluster metadata, each within ``timeout``; the result is
 kept for ``cache_seconds`` so frequent probes cost one check.
+
+A failed dependency check answers with a fixed phrase per check
+(``"database": "unreachable"``), never the driver's or client's message:
+those name hosts, ports, users and databases, and the endpoints answer
+anyone who can reach the port. The full reason goes to the relay's log
+instead: once when a check starts failing, once when it recovers, and while
+it keeps failing only when the reason changes, at most once per
+``log_interval`` seconds.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,12 +32,21 @@ if TYPE_CHECKING:
     from .relay import Relay
     from .settings import RelaySettings
 
+log = logging.getLogger("outbox_kafka.health")
+
 OK = "ok"
+#: What ``/readyz`` says about a failed check; the cause is in the relay's log.
+DATABASE_FAILURE = "unreachable"
+KAFKA_FAILURE = "no broker reachable"
 
 
 @dataclass(frozen=True)
 class HealthStatus:
-    """The answer to one probe; ``details`` maps each part checked to ``"ok"`` or a reason."""
+    """The answer to one probe; ``details`` maps each part checked to ``"ok"`` or what failed.
+
+    Everything here may be shown to an unauthenticated caller: dependency
+    failures are fixed phrases, their causes are only logged.
+    """
 
     ok: bool
     details: dict[str, object] = field(default_factory=dict)
@@ -43,6 +61,7 @@ class HealthStatus:
         )
 
     def body(self) -> dict[str, object]:
+        """The JSON answer: ``status``, ``reason`` when not ok, then ``details``."""
         body: dict[str, object] = {"status": "ok" if self.ok else "unavailable"}
         if not self.ok:
             body["reason"] = self.reason
@@ -59,6 +78,67 @@ def default_max_cycle_age(settings: RelaySettings) -> float:
     return max(2.0 * settings.lease_seconds, 3.0 * settings.poll_interval, 10.0)
 
 
+@dataclass
+class _Failing:
+    """A check that is failing: since when, and the reason last logged and when."""
+
+    since: float
+    reason: str
+    logged_at: float
+
+
+class FailureLog:
+    """Logs why dependency checks fail without a line per probe.
+
+    A check that starts failing is logged at once (warning, with the full
+    reason); while it keeps failing, a different reason is logged at most
+    once per ``interval`` seconds and the same reason never again; a recovery
+    is logged once (info). Safe to call from several threads.
+    """
+
+    def __init__(self, interval: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failing: dict[str, _Failing] = {}
+
+    def record(self, check: str, problem: str | None) -> None:
+        """Note the outcome of ``check``: None when it passed, else the full reason."""
+        with self._lock:
+            now = self._clock()
+            failing = self._failing.get(check)
+            if problem is None:
+                if failing is not None:
+                    del self._failing[check]
+                    log.info(
+                        "health check recovered",
+                        extra={
+                            "action": "health_check_recovered",
+                            "check": check,
+                            "failed_seconds": round(now - failing.since, 3),
+                        },
+                    )
+                return
+            problem = redact(problem)
+            if failing is None:
+                self._failing[check] = _Failing(since=now, reason=problem, logged_at=now)
+                log.warning(
+                    "health check failed",
+                    extra={"action": "health_check_failed", "check": check, "error": problem},
+                )
+            elif problem != failing.reason and now - failing.logged_at >= self.interval:
+                failing.reason, failing.logged_at = problem, now
+                log.warning(
+                    "health check still failing",
+                    extra={
+                        "action": "health_check_failed",
+                        "check": check,
+                        "error": problem,
+                        "failed_seconds": round(now - failing.since, 3),
+                    },
+                )
+
+
 class HealthChecks:
     """The checks behind ``/healthz`` and ``/readyz``; every dependency is injectable."""
 
@@ -71,6 +151,7 @@ class HealthChecks:
         kafka_problem: Callable[[float], str | None],
         timeout: float = 2.0,
         cache_seconds: float = 1.5,
+        log_interval: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         on_close: Callable[[], None] | None = None,
     ) -> None:
@@ -84,6 +165,7 @@ class HealthChecks:
         self._on_close = on_close
         self._lock = threading.Lock()
         self._cached: tuple[float, HealthStatus] | None = None
+        self.failures = FailureLog(log_interval, clock)
 
     @classmethod
     def for_relay(cls, relay: Relay, *, max_cycle_age: float | None = None) -> HealthChecks:
@@ -133,15 +215,22 @@ class HealthChecks:
             return status
 
     def _check_dependencies(self) -> HealthStatus:
+        """Run each dependency check; the answer names failed checks, the log says why."""
         details: dict[str, object] = {}
-        for name, check in (("database", self._database_problem), ("kafka", self._kafka_problem)):
+        checks = (
+            ("database", self._database_problem, DATABASE_FAILURE),
+            ("kafka", self._kafka_problem, KAFKA_FAILURE),
+        )
+        for name, check, failure in checks:
             try:
                 problem = check(self.timeout)
             except Exception as exc:  # a probe must answer, whatever the client raised
                 problem = f"{type(exc).__name__}: {exc}"
-            details[name] = OK if problem is None else redact(problem)
+            self.failures.record(name, problem)
+            details[name] = OK if problem is None else failure
         return HealthStatus(all(v == OK for v in details.values()), details)
 
     def close(self) -> None:
+        """Release what the checks hold (the database connection of their own)."""
         if self._on_close is not None:
             self._on_close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -218,3 +219,18 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("subject-empty", {"subject": ""}, InvalidAttribute, "subject"),
     BadInput("subject-nul", {"subject": "a\x00b"}, InvalidAttribute, "subject"),
 ]
+
+
+class LogRecords(logging.Handler):
+    """Keeps the records of one logger (whether or not it propagates to the root)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def actions(self, action: str) -> list[dict[str, object]]:
+        """The structured fields of the records with this ``action``."""
+        return [dict(vars(r)) for r in self.records if getattr(r, "action", None) == action]

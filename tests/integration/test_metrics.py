@@ -38,6 +38,7 @@ from tests.relay_support import (
     topic_outbox,
     wait_until,
 )
+from tests.support import LogRecords
 
 #: Nothing listens on port 1: every metadata request fails at once.
 DEAD_BROKER = "127.0.0.1:1"
@@ -374,15 +375,6 @@ def test_the_running_relay_samples_in_its_own_thread(
         )
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_a_failed_sample_is_logged_and_counted_and_the_next_one_works(
     engine: sa.Engine, database_url: str, database_switch: DatabaseSwitch
 ) -> None:
@@ -390,7 +382,7 @@ def test_a_failed_sample_is_logged_and_counted_and_the_next_one_works(
     metrics = RelayMetrics()
     sampler = BacklogSampler(RelaySettings(database_url, DEAD_BROKER), metrics)
     r = metrics.registry
-    logger, seen = logging.getLogger("outbox_kafka.sampler"), _Records()
+    logger, seen = logging.getLogger("outbox_kafka.sampler"), LogRecords()
     logger.addHandler(seen)
     try:
         assert sampler.sample_once() is not None
