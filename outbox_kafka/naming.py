@@ -35,6 +35,7 @@ _OBJECT_SUFFIXES = (
     "_migrations",
     "_migrations_pkey",
     "_enqueue_one",
+    "_enqueue_many",
 )
 _MAX_BASE = _MAX_IDENTIFIER - max(len(s) for s in _OBJECT_SUFFIXES)
 
@@ -96,6 +97,20 @@ class TableNames:
         )
 
     @property
+    def enqueue_many(self) -> str:
+        """The function that writes a batch of events (migration 0005)."""
+        return f"{self.table}_enqueue_many"
+
+    @property
+    def enqueue_many_signature(self) -> str:
+        """The batch function's qualified name and argument types, for ``to_regprocedure``."""
+        return (
+            f"{_quote(self.schema)}.{_quote(self.enqueue_many)}(uuid[], text[], text[], text[], "
+            "integer[], integer[], bytea, jsonb, timestamp with time zone[], "
+            "double precision[], boolean)"
+        )
+
+    @property
     def versions(self) -> str:
         return f"{self.table}_migrations"
 
@@ -142,6 +157,7 @@ class TableNames:
             "channel_literal": f"'{self.channel}'",
             "wake_lock": str(self.wake_lock),
             "enqueue_one": f"{s}.{_quote(self.enqueue_one)}",
+            "enqueue_many": f"{s}.{_quote(self.enqueue_many)}",
         }
         for suffix in _EVENT_SUFFIXES:
             values[f"events_{suffix}"] = _quote(f"{self.table}_{suffix}")

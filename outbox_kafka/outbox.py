@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection, Engine
@@ -175,8 +175,8 @@ class Outbox:
             "wake_lock": self._config.names.wake_lock,
         }
         self._kinds: dict[tuple[str, str | None], _EventKind] = {}
-        #: Engines on which a session could call the single-event function.
-        self._function_callable_on: weakref.WeakSet[Engine] = weakref.WeakSet()
+        #: Engines on which a session could call both enqueue functions.
+        self._functions_callable_on: weakref.WeakSet[Engine] = weakref.WeakSet()
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
         self.producer_metrics = producer_metrics(registry)
 
@@ -376,14 +376,16 @@ class Outbox:
     ) -> list[uuid.UUID]:
         """Write ``encoded`` in one statement; ``chosen_ids``: the caller gave event ids.
 
-        The first single event on a connection may cost one more round trip:
-        the question :meth:`_can_call_function` asks.
+        The first write on a connection may cost one more round trip: the
+        question :meth:`_functions` asks.
         """
         connection = _connection_of(conn)
-        if len(encoded) == 1 and self._can_call_function(connection):
+        functions = self._functions(connection)
+        if len(encoded) == 1 and functions.one:
             name, params = "enqueue_one", _enqueue_one_params(encoded[0])
         else:
-            name, params = "enqueue", _enqueue_params(encoded)
+            name = "enqueue_many_call" if functions.many else "enqueue"
+            params = _enqueue_params(encoded)
         params.update(self._wake)
 
         def execute() -> None:
@@ -411,36 +413,52 @@ class Outbox:
             raise
         return [e.event_id for e in encoded]
 
-    def _can_call_function(self, connection: Connection) -> bool:
-        """Whether this session may call the single-event function (migration 0003).
+    def _functions(self, connection: Connection) -> _Functions:
+        """Which enqueue functions this session may call (migrations 0003 and 0005).
 
-        A yes holds for the engine; a no is kept in the driver connection's
-        ``info`` (which lives as long as the pooled connection), so each
-        connection asks at most once: an outbox whose tables were made without the migrations (from
-        :mod:`outbox_kafka.tables`), a database not migrated yet, or a role
-        without EXECUTE gets the batch statement instead, which needs only the
-        table grants. The answer assumes that the engine's role keeps its
-        EXECUTE and that the function stays (``SET ROLE`` to a role without it,
-        or dropping it, makes the call fail until the process restarts).
+        Asked once per driver connection, at most: an answer of both holds for
+        the whole engine (kept in a weak set, so short-lived connections such
+        as NullPool's do not ask again); any other is kept in the connection's
+        ``info``, which lives as long as the pooled connection. Where a function
+        is missing (tables made from :mod:`outbox_kafka.tables`, a database not
+        migrated that far) or the role lacks EXECUTE, enqueue writes with the
+        batch statement instead, which needs the table grants of schema version
+        4. The answer assumes that the engine's role keeps its EXECUTE and that
+        the functions stay (``SET ROLE`` to a role without it, or dropping
+        them, makes the call fail until the process restarts).
         """
         engine = connection.engine
-        if engine in self._function_callable_on:
-            return True
-        signature = self._config.names.enqueue_one_signature
-        refused = ("outbox_kafka.enqueue_one refused", signature)
-        if refused in connection.info:
-            return False
-        found = bool(
-            connection.execute(
-                self._queries["enqueue_function_callable"], {"signature": signature}
-            ).scalar_one()
-        )
-        if found:
+        if engine in self._functions_callable_on:
+            return _BOTH
+        names = self._config.names
+        key = ("outbox_kafka.enqueue functions", names.enqueue_one_signature)
+        known = connection.info.get(key)
+        if isinstance(known, _Functions):
+            return known
+        row = connection.execute(
+            self._queries["enqueue_function_callable"],
+            {
+                "signature": names.enqueue_one_signature,
+                "batch_signature": names.enqueue_many_signature,
+            },
+        ).one()
+        found = _Functions(bool(row.callable), bool(row.batch_callable))
+        if found == _BOTH:
             # For the engine's other connections too, however short-lived (NullPool).
-            self._function_callable_on.add(engine)
+            self._functions_callable_on.add(engine)
         else:
-            connection.info[refused] = True
+            connection.info[key] = found
         return found
+
+
+class _Functions(NamedTuple):
+    """Which of the enqueue functions a session may call."""
+
+    one: bool
+    many: bool
+
+
+_BOTH = _Functions(True, True)
 
 
 def _routes(routes: Mapping[str, str] | Iterable[Route] | None) -> list[Route]:

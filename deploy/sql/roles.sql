@@ -25,6 +25,7 @@
 \set seqs_table :table '_key_seq'
 \set versions_table :table '_migrations'
 \set enqueue_one_function :table '_enqueue_one'
+\set enqueue_many_function :table '_enqueue_many'
 
 -- name: grant_schema_usage
 GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"producer_role";
@@ -54,22 +55,19 @@ GRANT SELECT, UPDATE (last_seq) ON :"schema".:"seqs_table" TO :"relay_role";
 GRANT SELECT ON :"schema".:"versions_table" TO :"relay_role";
 
 -- name: grant_producer
--- enqueue inserts the event, moves its key's counter (INSERT ... ON CONFLICT
--- DO UPDATE ... RETURNING) and queues the key among the arrivals (INSERT ...
--- ON CONFLICT DO NOTHING). A producer reads nothing of any event, its own or
--- another service's: not the payload, the headers, the topic, nor the status;
--- and it neither reads nor writes the relay's key queue. The wake lock it
--- tries is an advisory lock, which needs no grant. A single event goes
--- through the enqueue_one function (migration 0003), which runs with the
--- producer's own rights: it needs these grants too, and EXECUTE (PUBLIC has
--- it unless default privileges took it away; without it, enqueue writes with
--- the batch statement, which is slower).
-GRANT INSERT (event_id, ordering_key, seq, topic, type, value, headers, available_at)
-    ON :"schema".:"table" TO :"producer_role";
-GRANT SELECT (ordering_key, last_seq), INSERT (ordering_key, last_seq), UPDATE (last_seq)
-    ON :"schema".:"seqs_table" TO :"producer_role";
-GRANT SELECT (ordering_key), INSERT (ordering_key, first_seq, due_at)
-    ON :"schema".:"arrivals_table" TO :"producer_role";
+-- A producer writes only through the two enqueue functions (migrations 0003
+-- and 0005), which run with their owner's rights: it needs EXECUTE on them
+-- and no right on any table. So it reads nothing, neither of any event (its
+-- own or another service's: payload, headers, topic, status) nor of the key
+-- counters, arrivals or key queue (no ordering key in use), and it cannot
+-- queue a key or move another key's queue row. The wake lock the functions
+-- try is an advisory lock, which needs no grant. (Roles granted by this
+-- script before schema version 5 still hold table rights: the README's
+-- upgrade notes say how to take them back.)
 GRANT EXECUTE ON FUNCTION :"schema".:"enqueue_one_function"(
     uuid, text, text, text, bytea, jsonb, timestamptz, double precision, boolean
+) TO :"producer_role";
+GRANT EXECUTE ON FUNCTION :"schema".:"enqueue_many_function"(
+    uuid[], text[], text[], text[], integer[], integer[], bytea, jsonb, timestamptz[],
+    double precision[], boolean
 ) TO :"producer_role";

@@ -93,13 +93,36 @@ SELECT {enqueue_one}(
            CAST(:notify AS boolean)
        ) AS notified;
 
+-- name: enqueue_many_call
+-- The enqueue for a batch, by the function of migration 0005: the same writes
+-- as the enqueue statement, with the rights of the function's owner, so that
+-- a producer role needs no grant on any table (deploy/sql/roles.sql). Takes
+-- the enqueue statement's parameters (those it needs; the function works out
+-- the per-key ones itself). Used where enqueue_function_callable says so.
+SELECT {enqueue_many}(
+           CAST(:event_ids AS uuid[]),
+           CAST(:ordering_keys AS text[]),
+           CAST(:topics AS text[]),
+           CAST(:types AS text[]),
+           CAST(:value_starts AS integer[]),
+           CAST(:value_lengths AS integer[]),
+           CAST(:event_values AS bytea),
+           CAST(:event_headers AS jsonb),
+           CAST(:available_ats AS timestamptz[]),
+           CAST(:delays AS double precision[]),
+           CAST(:notify AS boolean)
+       ) AS notified;
+
 -- name: enqueue_function_callable
 -- Whether this session can call the function of enqueue_one (:signature, its
--- qualified name and argument types): false when it does not exist (tables
--- made from outbox_kafka.tables, or a database not migrated yet) or the role
+-- qualified name and argument types) and that of enqueue_many_call
+-- (:batch_signature): false when it does not exist (tables made from
+-- outbox_kafka.tables, or a database not migrated that far yet) or the role
 -- lacks EXECUTE on it.
 SELECT COALESCE(has_function_privilege(to_regprocedure(:signature), 'EXECUTE'), false)
-       AS callable;
+       AS callable,
+       COALESCE(has_function_privilege(to_regprocedure(:batch_signature), 'EXECUTE'), false)
+       AS batch_callable;
 
 -- name: admit_arrivals
 -- Moves up to :admit_limit keys from {arrivals} into the key queue, in key

@@ -605,19 +605,29 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
                     )
                 )
             )
-        # EXECUTE on the single-event function comes only from roles.sql here (see
-        # the fixture); a role without it would use the batch statement.
+        # It writes through the two enqueue functions, whose EXECUTE comes from
+        # roles.sql only (the migration takes it from PUBLIC); a role without it
+        # would use the batch statement, which needs table rights.
         with producer.connect() as conn:
-            assert outbox._can_call_function(conn)
+            assert outbox._functions(conn) == (True, True)
         with bare.connect() as conn:
-            assert not outbox._can_call_function(conn)
-        # ... and reads nothing of any event, nor changes the relay's state.
+            assert outbox._functions(conn) == (False, False)
+        # ... and reads nothing of any event nor any ordering key in use, and
+        # cannot queue a key or change the relay's state.
         for sql in (
             "SELECT value FROM outbox",
             "SELECT headers FROM outbox",
             "SELECT count(*) FROM outbox",
             "SELECT claim_token FROM outbox_keys",
             "SELECT first_seq FROM outbox_arrivals",
+            "SELECT ordering_key FROM outbox_arrivals",
+            "SELECT ordering_key FROM outbox_key_seq",
+            "SELECT ordering_key FROM outbox_keys",
+            "INSERT INTO outbox_arrivals (ordering_key, first_seq, due_at) "
+            "VALUES ('b', 1000000, 'infinity')",
+            "UPDATE outbox_key_seq SET last_seq = 1000000",
+            "INSERT INTO outbox (event_id, ordering_key, seq, topic, type, value) "
+            "VALUES (gen_random_uuid(), 'b', 1, 't', 't', '')",
             "UPDATE outbox SET status = 'delivered'",
             "DELETE FROM outbox",
             "UPDATE outbox_keys SET parked_at = now()",
