@@ -25,6 +25,7 @@ from .database import make_engine
 from .errors import ConfigurationError, InvalidSelection, OutboxError, StorageError
 from .naming import TableNames
 from .queries import pg_array, queries_for
+from .retention import purge_old_events
 from .settings import RelaySettings
 
 DAY = 86400.0
@@ -577,19 +578,15 @@ def purge(
             conn.rollback()
         removed = {"purge_delivered": int(row.delivered), "purge_discarded": int(row.discarded)}
     else:
-        removed = {}
-        for name, age in (
-            ("purge_delivered", retain_delivered_seconds),
-            ("purge_discarded", retain_discarded_seconds),
-        ):
-            removed[name] = 0
-            while True:
-                with _database("purging old events"), engine.begin() as conn:
-                    count = conn.execute(q[name], {"older_than_seconds": age, "batch": batch})
-                    n = int(count.rowcount)
-                removed[name] += n
-                if n < batch:
-                    break
+        with _database("purging old events"):
+            delivered, discarded = purge_old_events(
+                engine,
+                q,
+                delivered_seconds=retain_delivered_seconds,
+                discarded_seconds=retain_discarded_seconds,
+                batch=batch,
+            )
+        removed = {"purge_delivered": delivered, "purge_discarded": discarded}
     return PurgeResult(
         dry_run=dry_run,
         delivered=removed["purge_delivered"],

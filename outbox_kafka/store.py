@@ -28,6 +28,7 @@ from .errors import StorageError
 from .limits import DEFAULT_MAX_CLAIM_BYTES
 from .naming import TableNames
 from .queries import pg_array, pg_text_array, queries_for
+from .retention import purge_old_events
 
 #: A claim of up to N keys first moves producers' arrivals into the key queue,
 #: this many times N keys per pass, for at most this many passes.
@@ -392,20 +393,15 @@ class Store:
 
     def purge(self, *, delivered_seconds: float, discarded_seconds: float, batch: int) -> int:
         """Delete old delivered and discarded events, ``batch`` rows per transaction."""
-        removed = 0
-        for name, age in (
-            ("purge_delivered", delivered_seconds),
-            ("purge_discarded", discarded_seconds),
-        ):
-            while True:
-                with _translated("purging old events"), self._engine.begin() as conn:
-                    count = conn.execute(
-                        self._q[name], {"older_than_seconds": age, "batch": batch}
-                    ).rowcount
-                removed += count
-                if count < batch:
-                    break
-        return removed
+        with _translated("purging old events"):
+            delivered, discarded = purge_old_events(
+                self._engine,
+                self._q,
+                delivered_seconds=delivered_seconds,
+                discarded_seconds=discarded_seconds,
+                batch=batch,
+            )
+        return delivered + discarded
 
     # Monitoring: cheap statements for the backlog sampler and readiness probes.
 

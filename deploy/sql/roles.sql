@@ -49,8 +49,9 @@ GRANT UPDATE (next_seq, due_at, claim_token, lease_expires_at, parked_at)
 GRANT SELECT, DELETE, UPDATE (due_at) ON :"schema".:"arrivals_table" TO :"relay_role";
 -- finish_batch locks a key's counter (SELECT ... FOR UPDATE) while it decides
 -- whether the key may leave the queue; PostgreSQL asks UPDATE privilege on one
--- column for that lock. The relay never changes a counter.
-GRANT SELECT, UPDATE (last_seq) ON :"schema".:"seqs_table" TO :"relay_role";
+-- column for that lock. The relay never changes a counter; its retention
+-- deletes the counters of keys it left with nothing (forget_idle_counters).
+GRANT SELECT, DELETE, UPDATE (last_seq) ON :"schema".:"seqs_table" TO :"relay_role";
 -- For `outbox-kafka check` run with the relay's credentials.
 GRANT SELECT ON :"schema".:"versions_table" TO :"relay_role";
 

@@ -400,7 +400,8 @@ WHERE event_id IN (
     FOR UPDATE SKIP LOCKED
 )
   AND status = 'delivered'
-  AND delivered_at < now() - make_interval(secs => :older_than_seconds);
+  AND delivered_at < now() - make_interval(secs => :older_than_seconds)
+RETURNING ordering_key, seq;
 
 -- name: purge_discarded
 -- Retention for discarded events, in bounded batches. An event a requeue has
@@ -416,7 +417,39 @@ WHERE event_id IN (
     FOR UPDATE SKIP LOCKED
 )
   AND status = 'discarded'
-  AND created_at < now() - make_interval(secs => :older_than_seconds);
+  AND created_at < now() - make_interval(secs => :older_than_seconds)
+RETURNING ordering_key, seq;
+
+-- name: forget_idle_counters
+-- After a purge: deletes the counter of each key whose last sequence number
+-- handed out was one of the purged events' (:key_names with their :seqs),
+-- when nothing of the key is left that sequence numbers order: no row in the
+-- key queue or among the arrivals, no pending and no discarded event (a
+-- requeue could bring a discarded one back). Delivered events that are still
+-- kept are not ordered by anything any more. A writer that holds the counter
+-- (it is enqueueing for the key) is skipped, and one that moved it on since
+-- this snapshot makes the last_seq condition fail when the row is locked:
+-- the key keeps its counter. A key that comes back starts again at 1, after
+-- everything it had is gone. Discarded events are read once per statement
+-- (hashed), not per key.
+WITH purged AS (
+    SELECT *
+    FROM unnest(CAST(:key_names AS text[]), CAST(:seqs AS bigint[])) AS p(ordering_key, seq)
+), idle AS (
+    SELECT s.ordering_key, s.last_seq
+    FROM {seqs} s
+    JOIN purged p ON p.ordering_key = s.ordering_key AND p.seq = s.last_seq
+    WHERE NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = s.ordering_key)
+      AND NOT EXISTS (SELECT 1 FROM {arrivals} a WHERE a.ordering_key = s.ordering_key)
+      AND NOT EXISTS (SELECT 1 FROM {events} e
+                      WHERE e.ordering_key = s.ordering_key AND e.status = 'pending')
+      AND s.ordering_key NOT IN (SELECT ordering_key FROM {events}
+                                 WHERE status = 'discarded')
+    FOR UPDATE OF s SKIP LOCKED
+)
+DELETE FROM {seqs} s
+USING idle i
+WHERE s.ordering_key = i.ordering_key AND s.last_seq = i.last_seq;
 
 -- name: oldest_pending_age
 -- Seconds since the oldest pending event was written (NULL when none). The

@@ -29,7 +29,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from outbox_kafka import Event
 from outbox_kafka.embedded import EmbeddedBroker
 from outbox_kafka.envelope import headers_from_json, message_size
-from outbox_kafka.limits import DEFAULT_MAX_MESSAGE_BYTES
+from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
 from outbox_kafka.queries import pg_int_array, pg_text_array, queries_for
@@ -357,6 +357,7 @@ def _explain_claim(engine: sa.Engine, batch_size: int) -> dict[str, Any]:
                 "key_names": pg_text_array([key for key, _ in leased]),
                 "key_next_seqs": pg_int_array([next_seq for _, next_seq in leased]),
                 "batch_size": batch_size,
+                "max_bytes": DEFAULT_MAX_CLAIM_BYTES,
                 "values_as_text": True,
             }
             sql = queries.driver_sql("claim_events")

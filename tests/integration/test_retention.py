@@ -108,3 +108,59 @@ def test_drain_goes_past_keys_whose_events_are_all_done(
     with engine.connect() as conn:
         assert dict(conn.execute(STATUSES).all()) == {"delivered": 20}
         assert conn.execute(sa.text("SELECT count(*) FROM outbox_keys")).scalar_one() == 0
+
+
+def _counters(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return dict(
+            conn.execute(sa.text("SELECT ordering_key, last_seq FROM outbox_key_seq")).all()
+        )
+
+
+def test_keys_with_nothing_left_lose_their_counter_and_start_again_in_order(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """The purge deletes the counter of a key whose last event it removed, when
+    nothing of the key is left to order: the counters table does not keep a row
+    per key ever used. Kept: a key with a discarded event (a requeue could bring
+    it back), with a pending one, and one a writer is enqueueing for right now
+    (its counter held by an open transaction from a second connection)."""
+    topic = new_topic(1)
+    outbox = topic_outbox()
+    keys = ("gone", "discarded", "pending", "writing")
+    ids = enqueue_bulk(
+        engine,
+        outbox,
+        [Event(type="t", key=k, topic=topic, data={"n": n}) for n in range(3) for k in keys],
+    )
+    by_key = {k: ids[i::4] for i, k in enumerate(keys)}
+    relay = Relay(make_settings(database_url, kafka_bootstrap))
+    try:
+        assert relay.drain().delivered == 12
+        _age(engine, [*by_key["gone"], *by_key["writing"], *by_key["pending"][:2]], "delivered", 8)
+        _age(engine, by_key["discarded"][:2], "delivered", 8)
+        _age(engine, by_key["discarded"][2:], "discarded", 1)
+        _age(engine, by_key["pending"][2:], "pending", 0)
+        assert _counters(engine) == dict.fromkeys(keys, 3)
+
+        writer = engine.connect()
+        try:
+            writer.begin()
+            outbox.enqueue(writer, type="t", key="writing", data={"n": 3}, topic=topic)
+            relay.purge_once()  # the writer holds the counter of "writing"
+            writer.commit()
+        finally:
+            writer.close()
+        assert _counters(engine) == {"discarded": 3, "pending": 3, "writing": 4}
+
+        with engine.begin() as conn:
+            back = outbox.enqueue(conn, type="t", key="gone", data={"n": 0}, topic=topic)
+        assert _counters(engine)["gone"] == 1
+        assert relay.drain().delivered == 2
+    finally:
+        relay.close()
+    with engine.connect() as conn:
+        seq = conn.execute(
+            sa.text("SELECT seq FROM outbox WHERE event_id = :id"), {"id": str(back)}
+        ).scalar_one()
+    assert seq == 1
