@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint format test chaos demo bench up down clean
+.PHONY: install lint format test chaos soak demo bench up down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: lint
 # prints the table of events enqueued, delivered, lost, duplicated and out of order.
 chaos: $(STAMP)
 	OUTBOX_RELIABILITY=long $(BIN)/pytest -q tests/reliability $(PYTEST_ARGS)
+
+soak: $(STAMP)
+	OUTBOX_SOAK_SECONDS=$${OUTBOX_SOAK_SECONDS:-1500} OUTBOX_SOAK_OUTPUT=bench \
+		$(BIN)/pytest -q -s tests/reliability/test_soak.py $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/outbox-kafka demo
