@@ -515,7 +515,8 @@ class Relay:
         events per key, not one; a hot key already gets the whole batch.
         """
         batch = self.settings.batch_size
-        if not claim.keys:
+        if not claim.keys or any(k.withheld for k in claim.keys):
+            # The byte budget, not the number of keys, bounded this claim.
             return
         # What each key can send now: a key whose events switch topics sends
         # only its first run, however many events it brought.
@@ -581,7 +582,11 @@ class Relay:
                     # becomes of this event (retry, park, discard), it is settled
                     # before anything behind it is sent.
                     precheck[id(event)] = problem
-                    if self._gives_up(event, problem[0]):
+                    if event is due[0] and self._gives_up(event, problem[0]):
+                        # Nothing of its key comes before it in this batch: it is
+                        # discarded whatever the send brings, so its copy goes
+                        # with the send. Behind earlier events of its key, it is
+                        # discarded only if they all reach Kafka: decided after.
                         discarded_first.append((event, _discard_reason(event, *problem)))
                     break
                 sendable.append(event)

@@ -570,3 +570,17 @@ def per_key_order(records: Sequence[Record]) -> dict[str, list[str]]:
         assert r.key is not None
         order.setdefault(r.key, []).append(r.ce_id)
     return order
+
+
+def migrate_to(engine: sa.Engine, names: TableNames, version: int) -> None:
+    """Bring a new outbox up to ``version`` only, as an older release left it."""
+    q = queries_for(names)
+    with engine.begin() as conn:
+        conn.execute(q["create_versions_table"])
+        applied = q.migrations()[:version]
+        assert [m.version for m in applied] == list(range(1, version + 1))
+        for migration in applied:
+            conn.execute(sa.text(migration.sql))
+            conn.execute(
+                q["record_version"], {"version": migration.version, "name": migration.name}
+            )

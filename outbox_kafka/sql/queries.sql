@@ -194,10 +194,12 @@ RETURNING k.ordering_key, k.next_seq;
 -- format, which any byte survives, at half the size of hex.
 --
 -- At most :max_bytes of values and headers come back (as stored, read from
--- the values' headers without fetching them): the events that start past the
--- budget, in key and sequence order, come with NULL id, value and headers and
--- withheld set, so the relay hands their keys back untouched. The first event
--- always comes, whatever its size.
+-- the values' headers without fetching them), counted round-robin over the
+-- keys (every key's first event, then every key's second, ...) so that no
+-- key waits behind keys earlier in the alphabet: the events that start past
+-- the budget come with NULL id, value and headers and withheld set, and the
+-- relay hands their keys back untouched (for each key they are the last of
+-- its events). The first event always comes, whatever its size.
 WITH claimed AS (
     SELECT *
     FROM unnest(CAST(:key_names AS text[]), CAST(:key_next_seqs AS bigint[]))
@@ -216,11 +218,8 @@ WITH claimed AS (
            e.attempts,
            e.available_at,
            s.last_seq,
-           COALESCE(sum(octet_length(e.value) + pg_column_size(e.headers))
-                        OVER (ORDER BY c.ordering_key, e.seq ROWS UNBOUNDED PRECEDING)
-                    - (octet_length(e.value) + pg_column_size(e.headers))
-                    >= CAST(:max_bytes AS bigint),
-                    false) AS withheld
+           octet_length(e.value) + pg_column_size(e.headers) AS size,
+           row_number() OVER (PARTITION BY c.ordering_key ORDER BY e.seq) AS position
     FROM claimed c
     LEFT JOIN {seqs} s ON s.ordering_key = c.ordering_key
     LEFT JOIN LATERAL (
@@ -232,6 +231,12 @@ WITH claimed AS (
         ORDER BY ev.seq
         LIMIT (SELECT n FROM per_key)
     ) e ON true
+), budgeted AS (
+    SELECT read.*,
+           COALESCE(sum(size) OVER (ORDER BY position, ordering_key ROWS UNBOUNDED PRECEDING)
+                    - size >= CAST(:max_bytes AS bigint),
+                    false) AS withheld
+    FROM read
 )
 SELECT ordering_key,
        next_seq,
@@ -250,7 +255,7 @@ SELECT ordering_key,
        END AS wait_seconds,
        last_seq,
        withheld
-FROM read
+FROM budgeted
 ORDER BY ordering_key, seq;
 
 -- name: finish_batch

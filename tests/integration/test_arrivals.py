@@ -18,7 +18,6 @@ from outbox_kafka import Event, Outbox, migrate
 from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import check_consistency
-from outbox_kafka.queries import queries_for
 from outbox_kafka.relay import Relay
 from outbox_kafka.store import EventOutcome, KeyOutcome, Store
 from tests.relay_support import (
@@ -26,6 +25,7 @@ from tests.relay_support import (
     consume_all,
     enqueue_bulk,
     make_settings,
+    migrate_to,
     per_key_order,
     rows,
     scalar,
@@ -139,20 +139,6 @@ def test_two_writers_of_one_key_still_fail_to_serialize(engine: sa.Engine, level
         b.rollback()
 
 
-def _migrate_by_hand(engine: sa.Engine, names: TableNames, version: int) -> None:
-    """Bring a new outbox up to ``version`` only, as an older release left it."""
-    q = queries_for(names)
-    with engine.begin() as conn:
-        conn.execute(q["create_versions_table"])
-        applied = q.migrations()[:version]
-        assert [m.version for m in applied] == list(range(1, version + 1))
-        for migration in applied:
-            conn.execute(sa.text(migration.sql))
-            conn.execute(
-                q["record_version"], {"version": migration.version, "name": migration.name}
-            )
-
-
 def _drain_in_key_order(
     engine: sa.Engine,
     database_url: str,
@@ -182,7 +168,7 @@ def test_an_outbox_at_version_1_upgrades_with_its_queued_keys_and_drains(
     names = TableNames(table="legacy")
     outbox = Outbox(allow_unknown_types=True, table="legacy")
     old_events = [outbox.encode(Event(type="t", key=KEY, data=n, topic=topic)) for n in (0, 1)]
-    _migrate_by_hand(engine, names, 1)
+    migrate_to(engine, names, 1)
     with engine.begin() as conn:
         # What a version-1 enqueue wrote: the event, the counter, the queue row.
         for seq, encoded in enumerate(old_events, start=1):
@@ -228,7 +214,7 @@ def test_a_producer_ahead_of_its_schema_writes_with_the_statement_until_it_is_mi
     topic = new_topic(partitions=1)
     names = TableNames(table="behind")
     outbox = Outbox(allow_unknown_types=True, table="behind")
-    _migrate_by_hand(engine, names, 2)
+    migrate_to(engine, names, 2)
     before = make_engine(database_url)
     try:
         with before.begin() as conn:

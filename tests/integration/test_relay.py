@@ -583,6 +583,37 @@ def test_claims_keep_to_their_byte_budget_and_every_event_still_goes_in_key_orde
     )
 
 
+def test_the_claim_budget_goes_round_robin_over_the_keys(
+    engine: sa.Engine, database_url: str
+) -> None:
+    """Four keys with three events of 10 kB each and a 25 kB budget: the first
+    events of three keys come (not all of the first key's), and every key keeps
+    the rest for later, marked withheld."""
+    outbox = topic_outbox()
+    keys = ["a", "b", "c", "d"]
+    enqueue_bulk(
+        engine,
+        outbox,
+        [
+            Event(type="t.e", key=k, data={"n": n, "pad": "x" * 10_000}, topic="t")
+            for n in range(3)
+            for k in keys
+        ],
+    )
+    store = Store(database_url, NAMES)
+    try:
+        claim = store.claim(batch_size=1000, lease_seconds=30, max_bytes=25_000)
+    finally:
+        store.close()
+    claimed = {k.key: ([e.seq for e in k.events], k.withheld) for k in claim.keys}
+    assert claimed == {
+        "a": ([1], True),
+        "b": ([1], True),
+        "c": ([1], True),
+        "d": ([], True),
+    }
+
+
 def test_an_event_enqueue_accepts_near_its_size_limit_is_delivered(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:

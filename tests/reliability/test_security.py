@@ -18,7 +18,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from outbox_kafka import ConfigurationError, InvalidIdentifier, Outbox, OutboxError, migrate
+from outbox_kafka import (
+    ConfigurationError,
+    Event,
+    InvalidIdentifier,
+    Outbox,
+    OutboxError,
+    migrate,
+)
 from outbox_kafka.database import make_engine
 from outbox_kafka.embedded import free_port
 from outbox_kafka.health import HealthChecks
@@ -35,6 +42,7 @@ from tests.relay_support import (
     delivered_count,
     enqueue_bulk,
     make_settings,
+    migrate_to,
     scalar,
     seq_events,
     topic_outbox,
@@ -697,3 +705,47 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
         producer.dispose()
         relay_engine.dispose()
         bare.dispose()
+
+
+def test_a_producer_of_schema_version_4_keeps_writing_through_the_upgrade(
+    engine: sa.Engine, database_url: str, server_url: str
+) -> None:
+    """A producer role granted the version-4 way (table rights, EXECUTE through
+    PUBLIC) has a pooled connection that found the single-event function callable;
+    the migration to version 5 takes EXECUTE from PUBLIC, and gives it back to the
+    roles that write events, so that connection's next enqueue still works."""
+    names = TableNames(table="upgrading")
+    migrate_to(engine, names, 4)
+    role = f"t_v4_producer_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE ROLE "{role}" LOGIN')
+    with engine.begin() as conn:
+        for grant in (
+            "GRANT INSERT (event_id, ordering_key, seq, topic, type, value, headers, "
+            "available_at) ON upgrading TO {r}",
+            "GRANT SELECT (ordering_key, last_seq), INSERT (ordering_key, last_seq), "
+            "UPDATE (last_seq) ON upgrading_key_seq TO {r}",
+            "GRANT SELECT (ordering_key), INSERT (ordering_key, first_seq, due_at) "
+            "ON upgrading_arrivals TO {r}",
+        ):
+            conn.exec_driver_sql(grant.format(r=f'"{role}"'))
+    outbox = Outbox(allow_unknown_types=True, table="upgrading")
+    producer = make_engine(_as(database_url, role), pool_size=1, max_overflow=0)
+    try:
+        with producer.begin() as conn:
+            assert outbox._functions(conn) == (True, False)
+            outbox.enqueue(conn, type="t", key="k", data=0, topic="t")
+        assert migrate(engine, names).applied == [5]
+        with producer.begin() as conn:  # the same pooled connection, its answer kept
+            assert outbox._functions(conn) == (True, False)
+            outbox.enqueue(conn, type="t", key="k", data=1, topic="t")
+            outbox.enqueue_many(conn, [Event(type="t", key="k", data=2, topic="t")])
+        assert scalar(engine, "SELECT max(seq) FROM upgrading WHERE ordering_key = 'k'") == 3
+    finally:
+        producer.dispose()
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP ROLE IF EXISTS "{role}"')
+        admin.dispose()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from typing import Any, cast
 
 import pytest
 
+from outbox_kafka.publisher import DELIVERED, PERMANENT, RETRIABLE, Delivery, Message
 from outbox_kafka.relay import Relay, backoff_delay
 from outbox_kafka.settings import RelaySettings
 from outbox_kafka.store import Claim, ClaimedEvent, ClaimedKey
@@ -110,3 +112,81 @@ def test_keys_whose_events_switch_topics_do_not_shrink_the_claim(relay: Relay) -
     claim = _claim([5] * 200, per_key_limit=5, waiting=[50] * 200, topics=("a", "b"))
     relay._adapt_keys_per_claim(claim, 200)
     assert relay._keys_per_claim == 400
+
+
+# --------------------------------------------------------------------------- dead letters
+
+
+class _Broker:
+    """A publisher that records each send and answers main-topic messages with ``verdict``."""
+
+    def __init__(self, verdict: str) -> None:
+        self.verdict = verdict
+        self.sends: list[list[Message]] = []
+
+    def topic_problem(self, topic: str) -> None:
+        return None
+
+    def send(self, messages: list[Message], **_: Any) -> list[Delivery]:
+        self.sends.append(list(messages))
+        return [
+            Delivery(
+                verdict=DELIVERED if m.topic == "dlq" else self.verdict,
+                partition=0,
+                offset=n,
+                error=None if m.topic == "dlq" or self.verdict == DELIVERED else "TIMED_OUT",
+                sent=True,
+                reported=True,
+            )
+            for n, m in enumerate(messages)
+        ]
+
+
+def _dead_lettering_relay(broker: _Broker) -> Relay:
+    settings = RelaySettings(
+        database_url="postgresql://unused/db", bootstrap_servers="unused:1", dead_letter_topic="dlq"
+    )
+    return Relay(settings, store=cast(Any, object()), publisher=cast(Any, broker))
+
+
+def _outcomes(relay: Relay, claim: Claim, problems: dict[int, tuple[str, str]]) -> dict[int, str]:
+    _, outcomes, _ = relay._publish(claim, problems, time.monotonic() + 60)
+    seqs = {e.event_id: e.seq for k in claim.keys for e in k.events}
+    return {seqs[o.event_id]: o.status for o in outcomes}
+
+
+def test_an_invalid_event_behind_one_that_fails_gets_no_dead_letter_copy() -> None:
+    """Key k0: event 1 times out, event 2 is invalid. Event 2 is not discarded in
+    this batch (its key is held at event 1), so no copy of it may be made."""
+    broker = _Broker(RETRIABLE)
+    relay = _dead_lettering_relay(broker)
+    claim = _claim([2], per_key_limit=10)
+    invalid = claim.keys[0].events[1]
+    outcomes = _outcomes(relay, claim, {id(invalid): (PERMANENT, "INVALID_ENVELOPE: x")})
+    assert outcomes == {1: "pending"}
+    assert [m.topic for send in broker.sends for m in send] == ["t"]
+
+
+def test_an_invalid_event_behind_delivered_ones_is_copied_after_the_send() -> None:
+    broker = _Broker(DELIVERED)
+    relay = _dead_lettering_relay(broker)
+    claim = _claim([2], per_key_limit=10)
+    invalid = claim.keys[0].events[1]
+    outcomes = _outcomes(relay, claim, {id(invalid): (PERMANENT, "INVALID_ENVELOPE: x")})
+    assert outcomes == {1: "delivered", 2: "discarded"}
+    assert [[m.topic for m in send] for send in broker.sends] == [["t"], ["dlq"]]
+
+
+def test_a_key_whose_first_event_is_invalid_has_its_copy_sent_with_the_batch() -> None:
+    broker = _Broker(DELIVERED)
+    relay = _dead_lettering_relay(broker)
+    claim = _claim([1, 1], per_key_limit=10)
+    invalid, valid = claim.keys[0].events[0], claim.keys[1].events[0]
+    _, outcomes, _ = relay._publish(
+        claim, {id(invalid): (PERMANENT, "INVALID_ENVELOPE: x")}, time.monotonic() + 60
+    )
+    assert {o.event_id: o.status for o in outcomes} == {
+        invalid.event_id: "discarded",
+        valid.event_id: "delivered",
+    }
+    assert [sorted(m.topic for m in send) for send in broker.sends] == [["dlq", "t"]]
