@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from outbox_kafka import Event, Outbox
@@ -224,6 +225,7 @@ def _plot(samples: list[Sample], path: Path) -> None:
     plt.close(fig)
 
 
+@pytest.mark.timeout(DURATION + 900)
 def test_a_steady_mixed_load_leaves_nothing_growing(
     engine: sa.Engine,
     database_url: str,
