@@ -605,6 +605,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 timeout=timeout,
                 topics=topics,
                 create_topics=settings.create_topics is not None,
+                message_max_bytes=int(settings.producer_config()["message.max.bytes"]),
             )
         )
     ok = all(r.ok for r in results)

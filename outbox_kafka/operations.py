@@ -684,8 +684,10 @@ def check_kafka(
     timeout: float,
     topics: Sequence[str] = (),
     create_topics: bool = False,
+    message_max_bytes: int | None = None,
 ) -> list[CheckResult]:
-    """Broker metadata within ``timeout`` seconds; then whether ``topics`` exist.
+    """Broker metadata within ``timeout`` seconds; then whether ``topics`` exist, and
+    (with ``message_max_bytes``, the relay's) whether broker and topics take as much.
 
     ``config`` holds the connection settings (security included); librdkafka's
     own log lines are kept out of the command's output.
@@ -732,7 +734,65 @@ def check_kafka(
                     "does not exist and topic creation is off (create it, or --create-topics N)",
                 )
             )
+    if message_max_bytes is not None:
+        results.append(_check_message_limits(admin, metadata, message_max_bytes, timeout))
     return results
+
+
+#: Topics whose size limit ``check`` reads at most (in name order).
+_TOPICS_DESCRIBED = 500
+
+
+def _check_message_limits(
+    admin: Any, metadata: Any, relay_limit: int, timeout: float
+) -> CheckResult:
+    """Whether the broker and the cluster's topics accept messages of ``relay_limit``
+    bytes, where the broker tells (DescribeConfigs): a smaller limit refuses events
+    that enqueue and the relay accept, and the relay discards them."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import ConfigResource, ResourceType  # type: ignore[attr-defined]
+
+    names = sorted(t for t in metadata.topics if not t.startswith("__"))[:_TOPICS_DESCRIBED]
+    resources = [ConfigResource(ResourceType.TOPIC, t) for t in names]
+    if metadata.brokers:
+        resources.append(ConfigResource(ResourceType.BROKER, str(min(metadata.brokers))))
+    try:
+        futures = admin.describe_configs(resources, request_timeout=timeout)
+    except (KafkaException, ValueError) as exc:
+        return CheckResult("message size", True, f"limits not told by the broker: {exc}")
+    lower: list[str] = []
+    told = 0
+    for resource, future in futures.items():
+        broker = resource.restype == ResourceType.BROKER
+        key = "message.max.bytes" if broker else "max.message.bytes"
+        try:
+            entry = future.result(timeout).get(key)
+            limit = int(entry.value)
+        except (KafkaException, AttributeError, TypeError, ValueError):
+            continue  # not told, or not a number
+        told += 1
+        if limit < relay_limit:
+            lower.append(f"{'the broker' if broker else 'topic ' + resource.name} ({key} {limit})")
+    if lower:
+        shown = ", ".join(lower[:10]) + (f" and {len(lower) - 10} more" if len(lower) > 10 else "")
+        return CheckResult(
+            "message size",
+            False,
+            f"{shown} accept less than the relay's message.max.bytes ({relay_limit}): events "
+            "between the two are committed, then refused by the broker and discarded. Lower "
+            "the relay's message.max.bytes to the smallest, and producers' max_message_bytes "
+            "16 KiB below it",
+        )
+    if not told:
+        return CheckResult("message size", True, "limits not told by the broker")
+    return CheckResult(
+        "message size",
+        True,
+        f"broker and {len(names)} topics accept the relay's message.max.bytes ({relay_limit})"
+        if told > len(names)
+        else f"{told} topics accept the relay's message.max.bytes ({relay_limit}); "
+        "the broker does not tell its own limit",
+    )
 
 
 # --------------------------------------------------------------------------- consistency

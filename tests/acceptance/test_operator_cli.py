@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,10 +14,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from sqlalchemy.engine import make_url
 
 from outbox_kafka import Event
-from outbox_kafka.embedded import free_port
+from outbox_kafka.embedded import EmbeddedBroker, free_port
 from tests.operator_support import (
     build_mix,
     corrupt,
@@ -26,6 +28,7 @@ from tests.operator_support import (
     snapshot,
 )
 from tests.relay_support import (
+    TcpProxy,
     admit_arrivals,
     consume_all,
     enqueue_bulk,
@@ -423,7 +426,7 @@ def test_check_passes_on_a_good_set_up(url: str, kafka_bootstrap: str) -> None:
         OUTBOX_DATABASE_URL=url,
     )
     assert code == 0, text
-    assert list(lines) == ["settings", "schemas", "database", "migrations", "kafka"]
+    assert list(lines) == ["settings", "schemas", "database", "migrations", "kafka", "message size"]
     assert all(line.startswith("OK ") for line in text.strip().splitlines()), text
     assert "3 event types" in lines["schemas"][1]
     assert "version 5 (current)" in lines["migrations"][1]
@@ -513,6 +516,35 @@ def test_check_fails_on_a_missing_dead_letter_topic_and_a_bad_schema_dir(
     assert not lines["topic no-such-dlt-topic"][0]
     assert not lines["schemas"][0] and "broken.json" in lines["schemas"][1]
     assert lines["kafka"][0]
+
+
+def test_check_names_a_topic_that_takes_less_than_the_relay_sends(
+    url: str, proxied_broker: tuple[TcpProxy, EmbeddedBroker]
+) -> None:
+    """A topic whose max.message.bytes is below the relay's message.max.bytes would
+    refuse events that enqueue and the relay accept: check says which, and fails.
+    (A broker of its own: the small topic would fail every other check.)"""
+    kafka_bootstrap = f"127.0.0.1:{proxied_broker[0].port}"
+    topic = f"small-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    created = admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "500000"})])
+    for future in created.values():
+        future.result(30)
+    code, lines, text = _check("--bootstrap-servers", kafka_bootstrap, OUTBOX_DATABASE_URL=url)
+    assert code == 1, text
+    ok, detail = lines["message size"]
+    assert not ok
+    assert f"topic {topic} (max.message.bytes 500000)" in detail
+    assert "message.max.bytes (1048576)" in detail
+    # With the relay's limit at the topic's, nothing is smaller.
+    code, lines, text = _check(
+        "--bootstrap-servers",
+        kafka_bootstrap,
+        "--kafka-config",
+        "message.max.bytes=500000",
+        OUTBOX_DATABASE_URL=url,
+    )
+    assert lines["message size"][0], text
 
 
 def test_check_fails_on_an_unreachable_database(kafka_bootstrap: str) -> None:
