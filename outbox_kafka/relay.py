@@ -155,6 +155,8 @@ def _worth_reading_ahead(claim: Claim, asked: int, batch_size: int) -> bool:
 #: Verdicts of events that did not reach the producer, or are still inside it.
 _UNSENT = "unsent"
 _UNREPORTED = "unreported"
+#: A dead-letter copy that did not go out in this batch: the event is retried later.
+_COPY_NOT_SENT = (RETRIABLE, "the dead-letter copy was not sent in this batch")
 
 
 def _verdict_of(
@@ -712,12 +714,11 @@ class Relay:
         deliveries: list[Delivery],
         copies: dict[int, tuple[str, str | None]],
     ) -> None:
-        """Record how the dead-letter copies of ``discarded`` fared, where they were sent."""
+        """Record how the dead-letter copies of ``discarded`` fared, where they were sent
+        (``deliveries`` is empty where :meth:`_dead_letter_messages` made none)."""
         for (event, _), delivery in zip(discarded, deliveries, strict=False):
-            if id(event) in copies:
-                continue
             if not delivery.sent:
-                copies[id(event)] = (RETRIABLE, "the dead-letter copy was not sent in this batch")
+                copies[id(event)] = _COPY_NOT_SENT
             elif not delivery.reported:
                 copies[id(event)] = (RETRIABLE, "no delivery report for the dead-letter copy")
             else:
@@ -816,9 +817,7 @@ class Relay:
                 delay = self._retry_later(event, attempt, error, out)
                 continue
             reason = _discard_reason(event, verdict, error)
-            copy_verdict, copy_error = copies.get(
-                id(event), (RETRIABLE, "the dead-letter copy was not sent in this batch")
-            )
+            copy_verdict, copy_error = copies.get(id(event), _COPY_NOT_SENT)
             if copy_verdict != DELIVERED:
                 log.error(
                     "dead-letter copy failed",
