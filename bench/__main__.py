@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from outbox_kafka.database import normalise_url, redact_url
-from outbox_kafka.embedded import EmbeddedBroker, start_broker, start_postgres
+from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker, start_postgres
 
 from . import backlog, business, hotkey, latency, plots, producer, relay, wakeups
 from .common import (
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pg = start_postgres(base)
                 stack.callback(pg.stop)
                 url = normalise_url(pg.url)
-                label = "embedded PostgreSQL (outbox_kafka.embedded.start_postgres)"
+                label = "embedded PostgreSQL (outbox_kafka.demo.embedded.start_postgres)"
             bootstrap: str | None = args.bootstrap_servers
             embedded: EmbeddedBroker | None = None
             broker = "none (no section that needs Kafka ran)"

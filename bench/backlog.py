@@ -27,7 +27,7 @@ from sqlalchemy import Engine, TextClause
 
 from outbox_kafka import Outbox
 from outbox_kafka.queries import queries_for
-from outbox_kafka.store import Store
+from outbox_kafka.relay.store import Store
 
 from .common import BenchContext, PlotPoint, Result, Target, load_average, paired_ratios
 from .producer import ROUTES, SCHEMA_DIR

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 
 from outbox_kafka import Outbox
-from outbox_kafka.relay import Relay
-from outbox_kafka.store import Store
+from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.store import Store
 
 from .broker import Kafka
 from .common import BenchContext, PlotPoint, Result, Target, load_average, paired_ratios

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from outbox_kafka.embedded import free_port
+from outbox_kafka.demo.embedded import free_port
 
 from .tables import Table
 

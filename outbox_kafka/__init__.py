@@ -7,7 +7,7 @@ events to Kafka in per-key commit order.
 
 from __future__ import annotations
 
-from .errors import (
+from outbox_kafka.errors import (
     ConfigurationError,
     DataSchemaViolation,
     DuplicateEventId,
@@ -30,9 +30,17 @@ from .errors import (
     UnknownEventType,
     UnsafeConnection,
 )
-from .migrations import migrate, migration_script
-from .naming import TableNames
-from .outbox import Event, Outbox, Route, configure, default_outbox, enqueue, enqueue_many
+from outbox_kafka.migrations import migrate, migration_script
+from outbox_kafka.naming import TableNames
+from outbox_kafka.producer.outbox import (
+    Event,
+    Outbox,
+    Route,
+    configure,
+    default_outbox,
+    enqueue,
+    enqueue_many,
+)
 
 __version__ = "0.1.0"
 

@@ -12,14 +12,13 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from . import operations, reports
-from .database import make_engine
-from .errors import ConfigurationError, OutboxError
-from .limits import DEFAULT_MAX_CLAIM_BYTES
-from .logs import LOG_FORMATS, configure_logging, redact
-from .migrations import migrate, migration_script
-from .naming import TableNames
-from .settings import (
+from outbox_kafka.database import make_engine
+from outbox_kafka.errors import ConfigurationError, OutboxError
+from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES
+from outbox_kafka.logs import LOG_FORMATS, configure_logging, redact
+from outbox_kafka.migrations import migrate, migration_script
+from outbox_kafka.naming import TableNames
+from outbox_kafka.relay.settings import (
     COMPRESSIONS,
     RelaySettings,
     kafka_config_from_env,
@@ -27,11 +26,13 @@ from .settings import (
     parse_kafka_pair,
 )
 
+from . import operations, reports
+
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from .http_server import ObservabilityServer
-    from .relay import Relay
+    from outbox_kafka.relay.http_server import ObservabilityServer
+    from outbox_kafka.relay.loop import Relay
 
 Handler = Callable[[argparse.Namespace], int]
 #: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
@@ -181,7 +182,7 @@ def _start_server(relay: Relay, args: argparse.Namespace) -> ObservabilityServer
     A port given explicitly must be free (else exit 2); the default port, when
     taken (several relays on one host), is skipped with a warning.
     """
-    from .http_server import ObservabilityServer
+    from outbox_kafka.relay.http_server import ObservabilityServer
 
     port = _metrics_port(args)
     if port is None:
@@ -200,7 +201,7 @@ def _start_server(relay: Relay, args: argparse.Namespace) -> ObservabilityServer
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from .relay import Relay
+    from outbox_kafka.relay.loop import Relay
 
     settings = _relay_settings(args)
     configure_logging(args.log_format, args.log_level, secrets=settings.secret_values())
@@ -351,7 +352,7 @@ def _add_relay_parser(
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from outbox_kafka.demo.run import run_demo
 
     return run_demo(args)
 
@@ -445,8 +446,8 @@ def _selection(args: argparse.Namespace) -> operations.Selection:
 
 def _operator_engine(args: argparse.Namespace, *, connect_timeout: float = 10.0) -> Engine:
     """An engine for one short command; the URL's password is masked in whatever it prints."""
-    from .database import url_secrets
-    from .logs import register_secrets
+    from outbox_kafka.database import url_secrets
+    from outbox_kafka.logs import register_secrets
 
     url = args.database_url or ""
     register_secrets(url_secrets(url))
@@ -520,7 +521,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_consistency(args: argparse.Namespace) -> int:
-    from .database import redact_url
+    from outbox_kafka.database import redact_url
 
     names = names_from(args)
     # Refuses a missing URL, and masks its password in whatever is printed.
@@ -546,8 +547,8 @@ def _cmd_check_consistency(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .database import redact_url, url_secrets
-    from .logs import register_secrets
+    from outbox_kafka.database import redact_url, url_secrets
+    from outbox_kafka.logs import register_secrets
 
     if args.consistency:
         return _cmd_check_consistency(args)

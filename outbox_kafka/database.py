@@ -9,7 +9,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-from .errors import ConfigurationError
+from outbox_kafka.errors import ConfigurationError
 
 
 def normalise_url(url: str) -> str:

@@ -7,7 +7,7 @@ before handing it over. ``enqueue`` refuses, by default, events over
 :data:`DEFAULT_MAX_MESSAGE_BYTES`: the same 1 MiB less
 :data:`RECORD_FRAMING_BYTES` for what Kafka adds around a record, so that
 whatever ``enqueue`` accepts, the relay sends. Sizes are key + value +
-header names and values (:func:`outbox_kafka.envelope.message_size`).
+header names and values (:func:`outbox_kafka.producer.envelope.message_size`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-from .errors import ConfigurationError
+from outbox_kafka.errors import ConfigurationError
 
 LOG_FORMATS = ("text", "json")
 MASK = "***"

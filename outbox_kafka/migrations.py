@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, text
 
-from .errors import MigrationError
-from .naming import TableNames
-from .queries import Migration, queries_for
+from outbox_kafka.errors import MigrationError
+from outbox_kafka.naming import TableNames
+from outbox_kafka.queries import Migration, queries_for
 
 
 @dataclass(frozen=True)

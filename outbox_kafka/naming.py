@@ -10,7 +10,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidIdentifier
+from outbox_kafka.errors import InvalidIdentifier
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
 _MAX_IDENTIFIER = 63  # PostgreSQL truncates longer names silently

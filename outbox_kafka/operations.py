@@ -21,12 +21,12 @@ from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from .database import make_engine
-from .errors import ConfigurationError, InvalidSelection, OutboxError, StorageError
-from .naming import TableNames
-from .queries import pg_array, queries_for
-from .retention import purge_old_events
-from .settings import RelaySettings
+from outbox_kafka.database import make_engine
+from outbox_kafka.errors import ConfigurationError, InvalidSelection, OutboxError, StorageError
+from outbox_kafka.naming import TableNames
+from outbox_kafka.queries import pg_array, queries_for
+from outbox_kafka.relay.retention import purge_old_events
+from outbox_kafka.relay.settings import RelaySettings
 
 DAY = 86400.0
 
@@ -665,7 +665,7 @@ def _check_migrations(conn: Connection, names: TableNames) -> CheckResult:
 
 def check_schemas(schema_dir: str | Path | None) -> CheckResult:
     """The shipped envelope schema and, if given, every payload schema of ``schema_dir``."""
-    from .validation import EventSchemas, envelope_schema, shipped_schema_dir
+    from outbox_kafka.validation import EventSchemas, envelope_schema, shipped_schema_dir
 
     try:
         envelope_schema()

@@ -15,7 +15,7 @@ from importlib import resources
 from sqlalchemy import TextClause, text
 from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
 
-from .naming import TableNames
+from outbox_kafka.naming import TableNames
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from .operations import (
+from outbox_kafka.operations import (
     CONSISTENCY_CHECKS,
     CheckResult,
     ConsistencyReport,

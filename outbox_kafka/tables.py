@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from .naming import TableNames
+from outbox_kafka.naming import TableNames
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema_rs
 
-from .errors import SchemaError
+from outbox_kafka.errors import SchemaError
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 

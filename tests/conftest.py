@@ -22,7 +22,7 @@ from sqlalchemy.engine import make_url
 
 from outbox_kafka import Outbox, migrate
 from outbox_kafka.database import make_engine, normalise_url
-from outbox_kafka.embedded import EmbeddedBroker, start_broker, start_postgres
+from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker, start_postgres
 
 from .relay_support import TcpProxy
 

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from outbox_kafka.embedded import free_port
+from outbox_kafka.demo.embedded import free_port
 from tests.relay_support import delivered_count, enqueue_bulk, seq_events, topic_outbox, wait_until
 
 REPO = Path(__file__).resolve().parent.parent.parent

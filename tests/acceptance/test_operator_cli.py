@@ -18,7 +18,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from sqlalchemy.engine import make_url
 
 from outbox_kafka import Event
-from outbox_kafka.embedded import EmbeddedBroker, free_port
+from outbox_kafka.demo.embedded import EmbeddedBroker, free_port
 from tests.operator_support import (
     build_mix,
     corrupt,

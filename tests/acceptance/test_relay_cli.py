@@ -19,8 +19,8 @@ from outbox_kafka.limits import (
     enqueue_limit_for,
 )
 from outbox_kafka.naming import TableNames
-from outbox_kafka.settings import RelaySettings
-from outbox_kafka.store import Store
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     consume_all,
     enqueue_bulk,

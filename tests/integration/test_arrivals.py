@@ -18,8 +18,8 @@ from outbox_kafka import Event, Outbox, migrate
 from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import check_consistency
-from outbox_kafka.relay import Relay
-from outbox_kafka.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
 from tests.relay_support import (
     admit_arrivals,
     consume_all,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from outbox_kafka import Event
 from outbox_kafka.naming import TableNames
-from outbox_kafka.store import Store
+from outbox_kafka.relay.store import Store
 from tests.relay_support import topic_outbox
 
 #: Values the claim's escape format treats specially, next to plain ones.

@@ -21,10 +21,10 @@ from outbox_kafka.database import make_engine
 from outbox_kafka.errors import InvalidSelection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge, requeue
-from outbox_kafka.publisher import DELIVERED, RETRIABLE, Delivery, Message, Publisher
-from outbox_kafka.relay import Relay
-from outbox_kafka.settings import RelaySettings
-from outbox_kafka.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.publisher import DELIVERED, RETRIABLE, Delivery, Message, Publisher
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
 from tests.relay_support import (
     admit_arrivals,
     consume_all,

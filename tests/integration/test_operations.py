@@ -25,7 +25,7 @@ from outbox_kafka.operations import (
     unpark,
     unpark_keys,
 )
-from outbox_kafka.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
 from tests.operator_support import (
     build_mix,
     corrupt,

@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from outbox_kafka.embedded import free_port
+from outbox_kafka.demo.embedded import free_port
 from tests.relay_support import (
     delivered_count,
     enqueue_bulk,

@@ -27,15 +27,15 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox_kafka import Event
-from outbox_kafka.embedded import EmbeddedBroker
-from outbox_kafka.envelope import headers_from_json, message_size
+from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
+from outbox_kafka.producer.envelope import headers_from_json, message_size
 from outbox_kafka.queries import pg_int_array, pg_text_array, queries_for
-from outbox_kafka.relay import CycleReport, Relay
-from outbox_kafka.settings import RelaySettings
-from outbox_kafka.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay.loop import CycleReport, Relay
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
 from tests.relay_support import (
     Record,
     RelayThread,

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import sqlalchemy as sa
 
 from outbox_kafka.naming import TableNames
-from outbox_kafka.publisher import Delivery, Message, Publisher
-from outbox_kafka.relay import Relay
-from outbox_kafka.settings import RelaySettings
-from outbox_kafka.store import Store
+from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.publisher import Delivery, Message, Publisher
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     enqueue_bulk,
     make_settings,

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.embedded import free_port
+from outbox_kafka.demo.embedded import free_port
 from tests.relay_support import Record, TopicReader, scalar, wait_until
 from tests.reliability.report import Row, record
 

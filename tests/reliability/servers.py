@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from outbox_kafka.embedded import EmbeddedBroker, free_port, start_broker, wait_for_port
+from outbox_kafka.demo.embedded import EmbeddedBroker, free_port, start_broker, wait_for_port
 
 #: Settings for a throwaway server: no fsync (only an OS crash could lose data), small memory.
 #: Commits stay synchronous: an immediate stop must not lose a commit already reported.

@@ -27,16 +27,16 @@ from outbox_kafka import (
     migrate,
 )
 from outbox_kafka.database import make_engine
-from outbox_kafka.embedded import free_port
-from outbox_kafka.health import HealthChecks
-from outbox_kafka.metrics import RelayMetrics
+from outbox_kafka.demo.embedded import free_port
 from outbox_kafka.migrations import migration_script
 from outbox_kafka.naming import TableNames
-from outbox_kafka.publisher import Publisher
-from outbox_kafka.relay import Relay
-from outbox_kafka.sampler import BacklogSampler
-from outbox_kafka.settings import RelaySettings
-from outbox_kafka.store import Store
+from outbox_kafka.relay.health import HealthChecks
+from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.publisher import Publisher
+from outbox_kafka.relay.sampler import BacklogSampler
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     consume_all,
     delivered_count,
@@ -473,7 +473,7 @@ def test_a_valid_custom_name_is_quoted_everywhere_it_is_used(engine: sa.Engine) 
 def test_metrics_and_health_endpoints_expose_no_payload_data(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:
-    from outbox_kafka.http_server import ObservabilityServer
+    from outbox_kafka.relay.http_server import ObservabilityServer
 
     marker = f"payload-{uuid.uuid4().hex}"
     topic = new_topic(1)

@@ -23,9 +23,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox_kafka.embedded import EmbeddedBroker
-from outbox_kafka.metrics import RelayMetrics
-from outbox_kafka.relay import Relay
+from outbox_kafka.demo.embedded import EmbeddedBroker
+from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.metrics import RelayMetrics
 from tests.relay_support import (
     RelayThread,
     TcpProxy,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from outbox_kafka import DataSchemaViolation, Event, MessageTooLarge, Outbox
-from outbox_kafka.envelope import EncodedEvent, headers_to_json, message_size, uuid7
+from outbox_kafka.producer.envelope import EncodedEvent, headers_to_json, message_size, uuid7
 from outbox_kafka.queries import pg_array, pg_int_array, pg_text_array
 from tests.support import GOOD_TRACEPARENT, ORDER_CREATED
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.envelope import headers_from_json, headers_to_json, uuid7
+from outbox_kafka.producer.envelope import headers_from_json, headers_to_json, uuid7
 from tests.support import EVENT_SCHEMAS, GOOD_TRACEPARENT, ORDER_CREATED, ORDER_PAID
 
 ORDER_CREATED_ID = json.loads((EVENT_SCHEMAS / "order.created.json").read_text())["$id"]

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from sqlalchemy.exc import OperationalError
 
 from outbox_kafka import DuplicateEventId, InvalidKey, UnsafeConnection
-from outbox_kafka.metrics import (
+from outbox_kafka.relay.metrics import (
     ENQUEUE_FAILURE_REASONS,
     ProducerMetrics,
     RelayMetrics,
@@ -19,7 +19,7 @@ from outbox_kafka.metrics import (
     enqueue_failure_reason,
     producer_metrics,
 )
-from outbox_kafka.settings import RelaySettings
+from outbox_kafka.relay.settings import RelaySettings
 
 BASE = {"database_url": "postgresql://u@h/d", "bootstrap_servers": "k:9092"}
 

@@ -9,10 +9,10 @@ from typing import Any, cast
 
 import pytest
 
-from outbox_kafka.publisher import DELIVERED, PERMANENT, RETRIABLE, Delivery, Message
-from outbox_kafka.relay import Relay, backoff_delay
-from outbox_kafka.settings import RelaySettings
-from outbox_kafka.store import Claim, ClaimedEvent, ClaimedKey
+from outbox_kafka.relay.loop import Relay, backoff_delay
+from outbox_kafka.relay.publisher import DELIVERED, PERMANENT, RETRIABLE, Delivery, Message
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.store import Claim, ClaimedEvent, ClaimedKey
 
 
 def test_backoff_grows_exponentially_with_jitter_and_stays_under_the_cap() -> None:

@@ -22,13 +22,13 @@ import psycopg2.extensions
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from .database import make_engine, redact_url
-from .envelope import headers_from_text
-from .errors import StorageError
-from .limits import DEFAULT_MAX_CLAIM_BYTES
-from .naming import TableNames
-from .queries import pg_array, pg_text_array, queries_for
-from .retention import purge_old_events
+from outbox_kafka.database import make_engine, redact_url
+from outbox_kafka.errors import StorageError
+from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES
+from outbox_kafka.naming import TableNames
+from outbox_kafka.producer.envelope import headers_from_text
+from outbox_kafka.queries import pg_array, pg_text_array, queries_for
+from outbox_kafka.relay.retention import purge_old_events
 
 #: A claim of up to N keys first moves producers' arrivals into the key queue,
 #: this many times N keys per pass, for at most this many passes.

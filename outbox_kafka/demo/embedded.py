@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError
+from outbox_kafka.errors import ConfigurationError
 
 
 def free_port() -> int:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 from sqlalchemy.exc import SQLAlchemyError
 
-from .errors import DuplicateEventId, EventError, UnsafeConnection
+from outbox_kafka.errors import DuplicateEventId, EventError, UnsafeConnection
 
 if TYPE_CHECKING:
-    from .settings import RelaySettings
+    from outbox_kafka.relay.settings import RelaySettings
 
 log = logging.getLogger("outbox_kafka.metrics")
 
@@ -133,7 +133,7 @@ class RelayMetrics:
         self.info = Info("outbox_relay", "Relay version and settings digest.", registry=r)
 
     def set_info(self, settings: RelaySettings) -> None:
-        from . import __version__
+        from outbox_kafka import __version__
 
         self.info.info(
             {

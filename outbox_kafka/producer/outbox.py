@@ -17,7 +17,20 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .envelope import (
+from outbox_kafka.errors import (
+    ConfigurationError,
+    DataSchemaViolation,
+    DuplicateEventId,
+    EnvelopeInvalid,
+    EventError,
+    MessageTooLarge,
+    MissingTopic,
+    UnknownEventType,
+    UnsafeConnection,
+)
+from outbox_kafka.limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
+from outbox_kafka.naming import TableNames
+from outbox_kafka.producer.envelope import (
     EncodedEvent,
     EnvelopeTemplate,
     HeadersInput,
@@ -33,22 +46,14 @@ from .envelope import (
     encode_data,
     uuid7,
 )
-from .errors import (
-    ConfigurationError,
-    DataSchemaViolation,
-    DuplicateEventId,
-    EnvelopeInvalid,
-    EventError,
-    MessageTooLarge,
-    MissingTopic,
-    UnknownEventType,
-    UnsafeConnection,
+from outbox_kafka.queries import Queries, pg_array, pg_int_array, pg_text_array, queries_for
+from outbox_kafka.relay.metrics import counts_enqueue_failures, producer_metrics
+from outbox_kafka.validation import (
+    CompiledSchema,
+    EventSchemas,
+    envelope_schema,
+    load_event_schemas,
 )
-from .limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
-from .metrics import counts_enqueue_failures, producer_metrics
-from .naming import TableNames
-from .queries import Queries, pg_array, pg_int_array, pg_text_array, queries_for
-from .validation import CompiledSchema, EventSchemas, envelope_schema, load_event_schemas
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from .errors import ConfigurationError
-from .limits import KAFKA_MESSAGE_MAX_BYTES
-from .logs import librdkafka_logger
-from .validation import envelope_schema
+from outbox_kafka.errors import ConfigurationError
+from outbox_kafka.limits import KAFKA_MESSAGE_MAX_BYTES
+from outbox_kafka.logs import librdkafka_logger
+from outbox_kafka.validation import envelope_schema
 
 log = logging.getLogger("outbox_kafka.publisher")
 

@@ -24,11 +24,11 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from .envelope import check_topic, message_size
-from .errors import EventError, StorageError
-from .limits import enqueue_limit_for
-from .metrics import RelayMetrics
-from .publisher import (
+from outbox_kafka.errors import EventError, StorageError
+from outbox_kafka.limits import enqueue_limit_for
+from outbox_kafka.producer.envelope import check_topic, message_size
+from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.publisher import (
     DELIVERED,
     PERMANENT,
     RETRIABLE,
@@ -37,9 +37,17 @@ from .publisher import (
     Publisher,
     check_envelope,
 )
-from .sampler import BacklogSampler
-from .settings import RelaySettings, redact_kafka_config
-from .store import Claim, ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome, Remaining, Store
+from outbox_kafka.relay.sampler import BacklogSampler
+from outbox_kafka.relay.settings import RelaySettings, redact_kafka_config
+from outbox_kafka.relay.store import (
+    Claim,
+    ClaimedEvent,
+    ClaimedKey,
+    EventOutcome,
+    KeyOutcome,
+    Remaining,
+    Store,
+)
 
 log = logging.getLogger("outbox_kafka.relay")
 

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import StorageError
-from .logs import redact
-from .store import Store
+from outbox_kafka.errors import StorageError
+from outbox_kafka.logs import redact
+from outbox_kafka.relay.store import Store
 
 if TYPE_CHECKING:
-    from .relay import Relay
-    from .settings import RelaySettings
+    from outbox_kafka.relay.loop import Relay
+    from outbox_kafka.relay.settings import RelaySettings
 
 log = logging.getLogger("outbox_kafka.health")
 

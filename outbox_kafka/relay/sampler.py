@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from .errors import StorageError
-from .metrics import RelayMetrics
-from .settings import RelaySettings
-from .store import Backlog, Store
+from outbox_kafka.errors import StorageError
+from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.store import Backlog, Store
 
 log = logging.getLogger("outbox_kafka.sampler")
 

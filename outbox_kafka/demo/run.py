@@ -23,15 +23,15 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from .database import make_engine
-from .embedded import embedded_stack
-from .http_server import ObservabilityServer
-from .logs import configure_logging
-from .migrations import migrate
-from .outbox import Outbox
-from .relay import Relay
-from .settings import RelaySettings
-from .validation import shipped_schema_dir
+from outbox_kafka.database import make_engine
+from outbox_kafka.demo.embedded import embedded_stack
+from outbox_kafka.logs import configure_logging
+from outbox_kafka.migrations import migrate
+from outbox_kafka.producer.outbox import Outbox
+from outbox_kafka.relay.http_server import ObservabilityServer
+from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.validation import shipped_schema_dir
 
 TOPIC = "orders"
 PARTITIONS = 3

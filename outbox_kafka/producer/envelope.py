@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
-from .errors import (
+from outbox_kafka.errors import (
     InvalidAttribute,
     InvalidData,
     InvalidEventType,

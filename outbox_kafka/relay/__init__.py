@@ -1,0 +1,9 @@
+"""The relay: claims committed events, publishes them to Kafka in per-key order, and
+records what Kafka acknowledged. Start it with ``outbox-kafka relay`` or
+``Relay(RelaySettings(...)).run()``; the loop's internals are not public API."""
+
+from __future__ import annotations
+
+from outbox_kafka.relay.loop import CycleReport, DrainResult, Relay
+
+__all__ = ["CycleReport", "DrainResult", "Relay"]
