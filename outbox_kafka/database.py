@@ -12,10 +12,14 @@ from sqlalchemy.exc import ArgumentError
 from outbox_kafka.errors import ConfigurationError
 
 
+#: What every command and the relay say when no database URL was given.
+NO_DATABASE_URL = "no database URL given (--database-url or OUTBOX_DATABASE_URL)"
+
+
 def normalise_url(url: str) -> str:
     """Accept libpq-style URLs (``postgres://``, ``postgresql://``) for psycopg2."""
     if not url:
-        raise ConfigurationError("no database URL given (--database-url or OUTBOX_DATABASE_URL)")
+        raise ConfigurationError(NO_DATABASE_URL)
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
             return "postgresql+psycopg2://" + url[len(prefix) :]

@@ -10,11 +10,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
+from outbox_kafka.database import NO_DATABASE_URL
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, KAFKA_MESSAGE_MAX_BYTES, KEY_PARTITIONERS
 from outbox_kafka.naming import TableNames
 
 KAFKA_ENV_PREFIX = "OUTBOX_KAFKA_CONFIG_"
+
+#: Retention is given in days on the command line and in seconds everywhere else.
+SECONDS_PER_DAY = 86400.0
 #: librdkafka settings the relay's guarantees depend on; users cannot change them.
 FORCED_KAFKA = {"enable.idempotence": "true", "acks": "all"}
 _ACKS_ALIASES = {"acks", "request.required.acks"}
@@ -60,8 +64,8 @@ class RelaySettings:
     create_topics: int | None = None
     listen: bool = True
     shutdown_timeout: float = 30.0
-    retain_delivered_seconds: float = 7 * 86400.0
-    retain_discarded_seconds: float = 90 * 86400.0
+    retain_delivered_seconds: float = 7 * SECONDS_PER_DAY
+    retain_discarded_seconds: float = 90 * SECONDS_PER_DAY
     purge_interval: float = 300.0
     purge_batch: int = 1000
     sample_interval: float = 15.0
@@ -70,7 +74,7 @@ class RelaySettings:
     def __post_init__(self) -> None:
         TableNames(self.table, self.db_schema)
         if not self.database_url:
-            raise ConfigurationError("no database URL (--database-url or OUTBOX_DATABASE_URL)")
+            raise ConfigurationError(NO_DATABASE_URL)
         if not self.bootstrap_servers:
             raise ConfigurationError(
                 "no Kafka bootstrap servers (--bootstrap-servers or OUTBOX_KAFKA_BOOTSTRAP_SERVERS)"
