@@ -11,7 +11,6 @@ from sqlalchemy.exc import ArgumentError
 
 from outbox_kafka.errors import ConfigurationError
 
-
 #: What every command and the relay say when no database URL was given.
 NO_DATABASE_URL = "no database URL given (--database-url or OUTBOX_DATABASE_URL)"
 
