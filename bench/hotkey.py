@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from outbox_kafka import Outbox
-from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay import Relay
 from outbox_kafka.relay.store import Store
 
 from .broker import Kafka

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, TextClause, text
 
 from outbox_kafka import Event, Outbox, migrate
-from outbox_kafka.producer.envelope import headers_to_json
+from outbox_kafka.stored_headers import headers_to_json
 
 from .common import BenchContext, Result, interleaved, paired_ratios
 

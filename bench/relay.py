@@ -30,8 +30,8 @@ from functools import partial
 from typing import Any
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.producer.envelope import headers_from_json
-from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay import Relay
+from outbox_kafka.stored_headers import headers_from_json
 
 from .broker import PARTITIONS, Kafka
 from .common import BenchContext, PlotPoint, Result, Target, load_average, paired_ratios

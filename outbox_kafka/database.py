@@ -1,18 +1,25 @@
-"""Creating SQLAlchemy engines from the URLs users give, and hiding their secrets."""
+"""Creating SQLAlchemy engines from the URLs users give, hiding their secrets, and
+translating the errors the database raises."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
+import psycopg2
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
-from outbox_kafka.errors import ConfigurationError
+from outbox_kafka.errors import ConfigurationError, OutboxError, StorageError
 
 #: What every command and the relay say when no database URL was given.
 NO_DATABASE_URL = "no database URL given (--database-url or OUTBOX_DATABASE_URL)"
+#: SQLSTATE undefined_table: the outbox's tables are not there.
+_UNDEFINED_TABLE = "42P01"
 
 
 def normalise_url(url: str) -> str:
@@ -58,3 +65,39 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         return create_engine(normalise_url(url), pool_pre_ping=True, **kwargs)
     except (ArgumentError, ValueError) as exc:
         raise ConfigurationError(f"invalid database URL {redact_url(url)}: {exc}") from None
+
+
+def short_command_engine(url: str, *, connect_timeout: float = 10.0) -> Engine:
+    """An engine for one short command: no pool kept, a bounded connection wait."""
+    # READ COMMITTED whatever the server's default: requeue and unpark lock
+    # rows in one statement and read what they hold in the next.
+    return make_engine(
+        url,
+        poolclass=NullPool,
+        isolation_level="READ COMMITTED",
+        connect_args={"connect_timeout": max(1, round(connect_timeout))},
+    )
+
+
+def _driver_cause(error: BaseException | None) -> str:
+    cause = str(error).strip()
+    if getattr(error, "pgcode", None) == _UNDEFINED_TABLE:
+        cause += " (run outbox-kafka migrate first)"
+    return cause
+
+
+@contextlib.contextmanager
+def storage_errors(what: str, *, error: type[OutboxError] = StorageError) -> Iterator[None]:
+    """Raise database errors from the block as ``error("<what> failed: <cause>")``.
+
+    The cause is the driver's message (SQLAlchemy's when no driver error is
+    behind it); a missing table adds that the outbox needs migrating.
+    """
+    try:
+        yield
+    except DBAPIError as exc:
+        raise error(f"{what} failed: {_driver_cause(exc.orig)}") from exc
+    except SQLAlchemyError as exc:
+        raise error(f"{what} failed: {exc}") from exc
+    except psycopg2.Error as exc:
+        raise error(f"{what} failed: {_driver_cause(exc)}") from exc

@@ -7,7 +7,7 @@ before handing it over. ``enqueue`` refuses, by default, events over
 :data:`DEFAULT_MAX_MESSAGE_BYTES`: the same 1 MiB less
 :data:`RECORD_FRAMING_BYTES` for what Kafka adds around a record, so that
 whatever ``enqueue`` accepts, the relay sends. Sizes are key + value +
-header names and values (:func:`outbox_kafka.producer.envelope.message_size`).
+header names and values (:func:`outbox_kafka.stored_headers.message_size`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DEFAULT_MAX_KEY_BYTES = 1024
 #: for keyed messages the two behave the same.
 KEY_PARTITIONERS = ("murmur2_random", "murmur2")
 #: The relay's claim budget: values and headers one claim reads at most (plus
-#: the event that crosses it). See the README's memory section for what it bounds.
+#: the event that crosses it). See docs/explanation/design.md (Memory) for what it bounds.
 DEFAULT_MAX_CLAIM_BYTES = 32 * 1024 * 1024
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, text
 
+from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import MigrationError
 from outbox_kafka.naming import TableNames
 from outbox_kafka.queries import Migration, queries_for
@@ -17,16 +18,19 @@ class MigrationResult:
     current: int
 
 
-def pending_migrations(conn: Connection, names: TableNames) -> list[Migration]:
-    """Migrations not yet applied to this outbox (all of them on a fresh database)."""
+def applied_versions(conn: Connection, names: TableNames) -> set[int]:
+    """The migration versions recorded for this outbox (none before its first migration)."""
     q = queries_for(names)
     present = conn.execute(
         q["table_exists"], {"qualified_name": f'"{names.schema}"."{names.versions}"'}
     ).scalar_one()
-    applied: set[int] = set()
-    if present:
-        applied = set(conn.execute(q["applied_versions"]).scalars())
-    return [m for m in q.migrations() if m.version not in applied]
+    return set(conn.execute(q["applied_versions"]).scalars()) if present else set()
+
+
+def pending_migrations(conn: Connection, names: TableNames) -> list[Migration]:
+    """Migrations not yet applied to this outbox (all of them on a fresh database)."""
+    applied = applied_versions(conn, names)
+    return [m for m in queries_for(names).migrations() if m.version not in applied]
 
 
 def migrate(engine: Engine, names: TableNames | None = None) -> MigrationResult:
@@ -38,23 +42,20 @@ def migrate(engine: Engine, names: TableNames | None = None) -> MigrationResult:
     """
     names = names or TableNames()
     q = queries_for(names)
-    try:
-        with engine.begin() as conn:
-            conn.execute(q["migration_lock"], {"lock_id": names.lock_id("migrate")})
-            conn.execute(q["create_schema"])
-            conn.execute(q["create_versions_table"])
-            todo = pending_migrations(conn, names)
-            for migration in todo:
-                conn.execute(text(migration.sql))
-                conn.execute(
-                    q["record_version"], {"version": migration.version, "name": migration.name}
-                )
-            current = max(conn.execute(q["applied_versions"]).scalars(), default=0)
-    except MigrationError:
-        raise
-    except Exception as exc:
-        reason = getattr(exc, "orig", None) or exc
-        raise MigrationError(f"migrating {names.qualified_events} failed: {reason}") from exc
+    with (
+        storage_errors(f"migrating {names.qualified_events}", error=MigrationError),
+        engine.begin() as conn,
+    ):
+        conn.execute(q["migration_lock"], {"lock_id": names.lock_id("migrate")})
+        conn.execute(q["create_schema"])
+        conn.execute(q["create_versions_table"])
+        todo = pending_migrations(conn, names)
+        for migration in todo:
+            conn.execute(text(migration.sql))
+            conn.execute(
+                q["record_version"], {"version": migration.version, "name": migration.name}
+            )
+        current = max(conn.execute(q["applied_versions"]).scalars(), default=0)
     return MigrationResult(applied=[m.version for m in todo], current=current)
 
 

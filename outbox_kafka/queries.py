@@ -93,9 +93,14 @@ def pg_text_array(values: Sequence[str]) -> str:
     return '{"' + escaped + '"}'
 
 
-def pg_int_array(values: Iterable[int]) -> str:
-    """:func:`pg_array` of integers."""
-    return "{" + ",".join(map(str, values)) + "}"
+def pg_int_array(values: Iterable[int | None]) -> str:
+    """:func:`pg_array` of integers (and NULLs), in one pass: no quoting needed."""
+    return "{" + ",".join(["NULL" if v is None else str(v) for v in values]) + "}"
+
+
+def millis(seconds: float) -> str:
+    """``seconds`` as whole milliseconds (at least 1), for a timeout setting."""
+    return str(max(1, round(seconds * 1000)))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox_kafka.relay.loop import CycleReport, Relay
+from outbox_kafka.relay import CycleReport, Relay
 from tests.relay_support import enqueue_bulk, make_settings, rows, seq_events, topic_outbox
 
 CORRUPT = sa.text("UPDATE outbox SET value = 'not json'::bytea WHERE event_id = :id")

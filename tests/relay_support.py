@@ -26,7 +26,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
 from outbox_kafka.queries import queries_for
-from outbox_kafka.relay.loop import CycleReport, Relay
+from outbox_kafka.relay import CycleReport, Relay
 from outbox_kafka.relay.settings import RelaySettings
 
 # --------------------------------------------------------------------------- settings
@@ -392,12 +392,12 @@ class RelayThread:
         self.error: BaseException | None = None
         self.cycles = 0
         self.reports: list[CycleReport] = []
-        original: Callable[[Any], CycleReport] = relay._record
+        original: Callable[..., CycleReport] = relay._record
 
-        def counting_record(batch: Any) -> CycleReport:
+        def counting_record(*batch: Any) -> CycleReport:
             # Every claimed batch's outcome is recorded here, in the loop or in the
             # background, exactly once.
-            report = original(batch)
+            report = original(*batch)
             self.cycles += 1
             self.reports.append(report)
             return report

@@ -1,2 +1,2 @@
 """The producer side: validate events and write them to the outbox in the caller's
-transaction. Everything here is re-exported from :mod:`outbox_kafka`."""
+transaction. Its public API is re-exported from :mod:`outbox_kafka`."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from outbox_kafka.errors import StorageError
 from outbox_kafka.logs import redact
-from outbox_kafka.relay.store import Store
+from outbox_kafka.relay.monitoring import Monitor
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.loop import Relay
@@ -171,11 +171,11 @@ class HealthChecks:
     def for_relay(cls, relay: Relay, *, max_cycle_age: float | None = None) -> HealthChecks:
         """Checks for ``relay``: its loop, a database connection of their own, its producer."""
         settings = relay.settings
-        store = Store.for_monitoring(settings.database_url, settings.names)
+        monitor = Monitor.connect(settings.database_url, settings.names)
 
         def database_problem(timeout: float) -> str | None:
             try:
-                store.ping(timeout)
+                monitor.ping(timeout)
             except StorageError as exc:
                 return str(exc)
             return None
@@ -187,7 +187,7 @@ class HealthChecks:
             else max_cycle_age,
             database_problem=database_problem,
             kafka_problem=relay.publisher.broker_problem,
-            on_close=store.close,
+            on_close=monitor.close,
         )
 
     def liveness(self) -> HealthStatus:

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import logging
-import threading
 import time
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
-from sqlalchemy.exc import SQLAlchemyError
-
-from outbox_kafka.errors import DuplicateEventId, EventError, UnsafeConnection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.settings import RelaySettings
@@ -69,6 +62,13 @@ class RelayMetrics:
             "Delivered or discarded events removed by retention.",
             registry=r,
         )
+        self.background_errors = Counter(
+            "outbox_background_errors",
+            "Unexpected errors in the relay's background tasks (retention, sampling); "
+            "the task goes on at its next interval.",
+            ["task"],
+            registry=r,
+        )
         self.claim_seconds = Histogram(
             "outbox_claim_duration_seconds",
             "Time to claim one batch.",
@@ -81,7 +81,7 @@ class RelayMetrics:
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
-        self.mark_seconds = Histogram(
+        self.record_seconds = Histogram(
             "outbox_mark_duration_seconds",
             "Time to record one batch's outcome.",
             buckets=_BATCH_BUCKETS,
@@ -176,99 +176,3 @@ class RelayMetrics:
                     )
         except (ValueError, TypeError, AttributeError) as exc:
             log.debug("unreadable librdkafka statistics: %s", exc)
-
-
-# --------------------------------------------------------------------------- producer side
-
-#: Every ``reason`` of ``outbox_enqueue_failures_total``; all start at 0.
-ENQUEUE_FAILURE_REASONS = (
-    "validation",
-    "duplicate_event_id",
-    "unsafe_connection",
-    "database",
-    "other",
-)
-
-
-def enqueue_failure_reason(exc: BaseException) -> str:
-    """The ``reason`` label for an exception raised by ``enqueue``/``enqueue_many``."""
-    if isinstance(exc, DuplicateEventId):
-        return "duplicate_event_id"
-    if isinstance(exc, EventError):
-        return "validation"
-    if isinstance(exc, UnsafeConnection):
-        return "unsafe_connection"
-    if isinstance(exc, SQLAlchemyError):
-        return "database"
-    return "other"
-
-
-class ProducerMetrics:
-    """The producer side's metrics; one instance per registry (see :func:`producer_metrics`)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self.enqueue_failures = Counter(
-            "outbox_enqueue_failures",
-            "enqueue/enqueue_many calls that raised, by kind of error.",
-            ["reason"],
-            registry=registry,
-        )
-        for reason in ENQUEUE_FAILURE_REASONS:
-            self.enqueue_failures.labels(reason=reason)
-
-    def enqueue_failed(self, exc: BaseException) -> None:
-        # enqueue may call enqueue_many: count each exception once, at the innermost call.
-        if getattr(exc, "_outbox_counted", False):
-            return
-        with contextlib.suppress(AttributeError):
-            exc._outbox_counted = True  # type: ignore[attr-defined]
-        self.enqueue_failures.labels(reason=enqueue_failure_reason(exc)).inc()
-
-
-_producer_metrics: weakref.WeakKeyDictionary[CollectorRegistry, ProducerMetrics] = (
-    weakref.WeakKeyDictionary()
-)
-_producer_metrics_lock = threading.Lock()
-
-
-def producer_metrics(registry: CollectorRegistry | None = None) -> ProducerMetrics:
-    """The producer metrics on ``registry`` (default: prometheus_client's global one).
-
-    Every ``Outbox`` on one registry shares one set of metrics, since a
-    registry refuses a metric name twice.
-    """
-    target = REGISTRY if registry is None else registry
-    with _producer_metrics_lock:
-        found = _producer_metrics.get(target)
-        if found is None:
-            found = _producer_metrics[target] = ProducerMetrics(target)
-        return found
-
-
-class _CountsEnqueueFailures(Protocol):
-    producer_metrics: ProducerMetrics
-
-
-S = TypeVar("S", bound=_CountsEnqueueFailures)
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def counts_enqueue_failures(
-    method: Callable[Concatenate[S, P], R],
-) -> Callable[Concatenate[S, P], R]:
-    """Count the exceptions ``method`` raises in ``outbox_enqueue_failures_total``.
-
-    The success path pays one extra call and nothing else.
-    """
-
-    @functools.wraps(method)
-    def counted(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as exc:
-            self.producer_metrics.enqueue_failed(exc)
-            raise
-
-    return counted

@@ -1,20 +1,18 @@
 """The relay's Kafka boundary: one idempotent producer, a batch in flight, one wait.
 
 Everything confluent-kafka raises or reports is translated here into a
-:class:`Delivery` with a plain verdict (delivered, retriable, permanent), so
+:class:`~outbox_kafka.relay.boundaries.Delivery` with a :class:`Verdict`, so
 the relay loop never imports confluent_kafka.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -22,16 +20,13 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.limits import KAFKA_MESSAGE_MAX_BYTES
 from outbox_kafka.logs import librdkafka_logger
-from outbox_kafka.validation import envelope_schema
+from outbox_kafka.relay.boundaries import Delivery, Message
+from outbox_kafka.relay.verdicts import Problem, Verdict
 
 log = logging.getLogger("outbox_kafka.publisher")
 
 #: After a failed metadata fetch, topic checks fail fast for this long.
 METADATA_RETRY_SECONDS = 2.0
-
-DELIVERED = "delivered"
-RETRIABLE = "retriable"
-PERMANENT = "permanent"
 
 # Errors no retry can fix: the event is set aside at once.
 _PERMANENT_CODES = {
@@ -46,26 +41,6 @@ _PERMANENT_CODES = {
     KafkaError.UNKNOWN_TOPIC_OR_PART,
     KafkaError._INVALID_ARG,
 }
-
-
-class Message(NamedTuple):
-    """One message to send, as stored by the producer side."""
-
-    topic: str
-    key: bytes
-    value: bytes
-    headers: list[tuple[str, bytes]]
-
-
-@dataclass
-class Delivery:
-    verdict: str = RETRIABLE
-    partition: int | None = None
-    offset: int | None = None
-    error: str | None = None
-    sent: bool = False
-    reported: bool = False
-    fatal: bool = False
 
 
 # Errors that leave the idempotent producer's session unusable: the relay
@@ -85,34 +60,16 @@ def _needs_rebuild(err: KafkaError) -> bool:
     return bool(err.fatal()) or err.code() in _REBUILD_CODES
 
 
-def _verdict(err: KafkaError) -> str:
+def _verdict(err: KafkaError) -> Verdict:
     if _needs_rebuild(err):
-        return RETRIABLE  # the producer is rebuilt; the event itself is fine
+        return Verdict.RETRIABLE  # the producer is rebuilt; the event itself is fine
     if err.code() in _PERMANENT_CODES:
-        return PERMANENT
-    return RETRIABLE
+        return Verdict.PERMANENT
+    return Verdict.RETRIABLE
 
 
 def _describe(err: KafkaError) -> str:
     return f"{err.name()}: {err.str()}"
-
-
-def check_envelope(value: bytes | str, event_id: str, key: str) -> str | None:
-    """Why ``value`` (the bytes, or their ASCII text) is not a sendable envelope, or None."""
-    try:
-        envelope = json.loads(value)
-    except ValueError as exc:
-        return f"envelope is not JSON: {exc}"
-    except RecursionError:
-        return "envelope is not JSON the relay can read: nested too deeply"
-    schema = envelope_schema()
-    if not schema.is_valid(envelope):
-        return f"envelope fails schemas/cloudevent.json: {schema.first_error(envelope)}"
-    if envelope.get("id") != event_id:
-        return "envelope id does not match the event id"
-    if envelope.get("partitionkey") != key:
-        return "envelope partitionkey does not match the ordering key"
-    return None
 
 
 class Publisher:
@@ -161,20 +118,20 @@ class Publisher:
 
     # Topics ---------------------------------------------------------------
 
-    def topic_problem(self, topic: str) -> tuple[str, str] | None:
+    def topic_problem(self, topic: str) -> Problem | None:
         """``(verdict, reason)`` if messages to ``topic`` cannot be sent now."""
         if topic in self._known_topics:
             return None
         now = time.monotonic()
         if now < self._metadata_retry_at:
             # The last fetch failed moments ago: do not block on it again per event.
-            return RETRIABLE, self._metadata_error
+            return Verdict.RETRIABLE, self._metadata_error
         try:
             metadata = self._producer.list_topics(timeout=self._metadata_timeout)
         except KafkaException as exc:
             self._metadata_error = f"METADATA_UNAVAILABLE: cannot read topic metadata: {exc}"
             self._metadata_retry_at = time.monotonic() + METADATA_RETRY_SECONDS
-            return RETRIABLE, self._metadata_error
+            return Verdict.RETRIABLE, self._metadata_error
         for name, meta in metadata.topics.items():
             if meta.error is None:
                 self._known_topics.add(name)
@@ -183,12 +140,12 @@ class Publisher:
         if self._create_partitions:
             return self._create(topic)
         return (
-            PERMANENT,
+            Verdict.PERMANENT,
             f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
             "(create it, or run the relay with --create-topics N)",
         )
 
-    def _create(self, topic: str) -> tuple[str, str] | None:
+    def _create(self, topic: str) -> Problem | None:
         assert self._create_partitions is not None
         futures = self._admin_client().create_topics(
             [NewTopic(topic, self._create_partitions, -1)], request_timeout=10
@@ -198,7 +155,10 @@ class Publisher:
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
-                return RETRIABLE, f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc}"
+                return (
+                    Verdict.RETRIABLE,
+                    f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc}",
+                )
         log.info(
             "created topic",
             extra={"action": "create_topic", "topic": topic, "partitions": self._create_partitions},
@@ -250,7 +210,7 @@ class Publisher:
                     delivery.error = _describe(err)
                     delivery.fatal = _needs_rebuild(err)
                 else:
-                    delivery.verdict = RETRIABLE
+                    delivery.verdict = Verdict.RETRIABLE
                     delivery.error = str(exc)
                 held.add(msg.key)
         self._wait(deliveries, timeout, abort)
@@ -269,7 +229,7 @@ class Publisher:
     def _on_delivery(delivery: Delivery, err: KafkaError | None, msg: Any) -> None:
         delivery.reported = True
         if err is None:
-            delivery.verdict = DELIVERED
+            delivery.verdict = Verdict.DELIVERED
             delivery.partition = msg.partition()
             delivery.offset = msg.offset()
         else:

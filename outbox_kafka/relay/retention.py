@@ -1,21 +1,31 @@
 """Retention: delete delivered and discarded events past their age, in small
 transactions, and forget the counters of the keys that leaves with nothing.
 
-Shared by the relay's purge thread and ``outbox-kafka purge``.
+:func:`purge_old_events` is shared by the relay's purge task (:class:`Retention`)
+and ``outbox-kafka purge``.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.exc import ProgrammingError
 
+from outbox_kafka.errors import StorageError
 from outbox_kafka.queries import Queries, pg_int_array, pg_text_array
 
+if TYPE_CHECKING:
+    from outbox_kafka.relay.boundaries import ClaimStore
+    from outbox_kafka.relay.metrics import RelayMetrics
+    from outbox_kafka.relay.settings import RelaySettings
+
 log = logging.getLogger("outbox_kafka.retention")
+#: The purge task logs as part of the relay, as its other steps do.
+relay_log = logging.getLogger("outbox_kafka.relay")
 _INSUFFICIENT_PRIVILEGE = "42501"
 
 
@@ -83,3 +93,43 @@ def _forget_idle_counters(conn: Connection, queries: Queries, purged: Sequence[R
         )
         return False
     return True
+
+
+class Retention:
+    """The relay's purge task: when to purge next, and one purge."""
+
+    def __init__(
+        self,
+        store: ClaimStore,
+        settings: RelaySettings,
+        metrics: RelayMetrics,
+        rng: random.Random,
+    ) -> None:
+        self._store = store
+        self._settings = settings
+        self._metrics = metrics
+        self._rng = rng
+        self._first = True
+
+    def delay(self) -> float:
+        """Seconds to the next purge: spread relays' purges apart; the first comes soon."""
+        if self._first:
+            self._first = False
+            return min(self._settings.purge_interval, 10.0) * self._rng.random()
+        return self._settings.purge_interval
+
+    def run_once(self) -> None:
+        """Delete delivered and discarded events past their retention, in bounded batches."""
+        settings = self._settings
+        try:
+            removed = self._store.purge(
+                delivered_seconds=settings.retain_delivered_seconds,
+                discarded_seconds=settings.retain_discarded_seconds,
+                batch=settings.purge_batch,
+            )
+        except StorageError as exc:
+            relay_log.warning("purge failed", extra={"action": "purge_failed", "error": str(exc)})
+            return
+        if removed:
+            self._metrics.purged.inc(removed)
+            relay_log.info("purged old events", extra={"action": "purge", "events": removed})

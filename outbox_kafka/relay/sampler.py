@@ -9,12 +9,12 @@ loop never waits for it, and a failed sample (logged, counted in
 from __future__ import annotations
 
 import logging
-import threading
 
 from outbox_kafka.errors import StorageError
+from outbox_kafka.relay.background import SupervisedLoop
 from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.monitoring import Backlog, Monitor
 from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.store import Backlog, Store
 
 log = logging.getLogger("outbox_kafka.sampler")
 
@@ -25,20 +25,19 @@ class BacklogSampler:
     ``settings.sample_interval`` seconds."""
 
     def __init__(
-        self, settings: RelaySettings, metrics: RelayMetrics, *, store: Store | None = None
+        self, settings: RelaySettings, metrics: RelayMetrics, *, monitor: Monitor | None = None
     ) -> None:
         self.interval = settings.sample_interval
         self.metrics = metrics
-        self._store = store or Store.for_monitoring(settings.database_url, settings.names)
+        self._monitor = monitor or Monitor.connect(settings.database_url, settings.names)
         # A sample may take at most one interval (and never more than 30 s).
         self._timeout = min(30.0, max(1.0, self.interval))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop: SupervisedLoop | None = None
 
     def sample_once(self) -> Backlog | None:
         """Take one sample and set the gauges; None (logged and counted) when it failed."""
         try:
-            backlog = self._store.backlog(self._timeout)
+            backlog = self._monitor.backlog(self._timeout)
         except StorageError as exc:
             self.metrics.db_errors.inc()
             log.warning(
@@ -58,7 +57,7 @@ class BacklogSampler:
         queue never costs the other gauges their value.
         """
         try:
-            violations = self._store.consistency_violations(self._timeout)
+            violations = self._monitor.consistency_violations(self._timeout)
         except StorageError as exc:
             self.metrics.db_errors.inc()
             log.warning(
@@ -69,24 +68,20 @@ class BacklogSampler:
         return violations
 
     def start(self) -> BacklogSampler:
-        """Sample now, then every interval, in a daemon thread, until :meth:`stop`."""
-        self._thread = threading.Thread(target=self._loop, name="outbox-sampler", daemon=True)
-        self._thread.start()
-        return self
+        """Sample now, then every interval, in a supervised thread, until :meth:`stop`."""
+        first = [True]
 
-    def _loop(self) -> None:
-        while True:
-            try:
-                self.sample_once()
-            except Exception:
-                # Whatever happens here, the relay keeps relaying.
-                log.exception("backlog sampler error", extra={"action": "sample_failed"})
-            if self._stop.wait(self.interval):
-                return
+        def delay() -> float:
+            if first[0]:
+                first[0] = False
+                return 0.0
+            return self.interval
+
+        self._loop = SupervisedLoop("sampler", self.sample_once, delay, self.metrics).start()
+        return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop sampling and close the sampler's connection."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._store.close()
+        if self._loop is not None:
+            self._loop.stop(timeout)
+        self._monitor.close()

@@ -132,7 +132,7 @@ class RelaySettings:
             )
         if self.dead_letter_topic is not None:
             from outbox_kafka.errors import EventError
-            from outbox_kafka.producer.envelope import check_topic
+            from outbox_kafka.producer.checks import check_topic
 
             try:
                 check_topic(self.dead_letter_topic)

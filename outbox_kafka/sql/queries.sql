@@ -179,8 +179,8 @@ RETURNING k.ordering_key, k.next_seq;
 
 -- name: claim_events
 -- The next pending events of the keys claim_keys has just leased
--- (:key_names with their :key_next_seqs), up to :batch_size in all, shared
--- evenly between the keys, in per-key sequence order; each row with its key's
+-- (:key_names with their :key_next_seqs), up to :per_key_limit of each key
+-- (the relay's even share of its batch), in per-key sequence order; each row with its key's
 -- last sequence number handed out (so the relay knows how many events each
 -- key has waiting). Keys that turn out to have no visible pending event come
 -- back with NULL event columns. wait_seconds is NULL for an event that is
@@ -204,8 +204,6 @@ WITH claimed AS (
     SELECT *
     FROM unnest(CAST(:key_names AS text[]), CAST(:key_next_seqs AS bigint[]))
          AS c(ordering_key, next_seq)
-), per_key AS (
-    SELECT GREATEST(1, CAST(:batch_size AS bigint) / GREATEST(1, count(*))) AS n FROM claimed
 ), read AS (
     SELECT c.ordering_key,
            c.next_seq,
@@ -229,7 +227,7 @@ WITH claimed AS (
           AND ev.seq >= c.next_seq
           AND ev.status = 'pending'
         ORDER BY ev.seq
-        LIMIT (SELECT n FROM per_key)
+        LIMIT CAST(:per_key_limit AS bigint)
     ) e ON true
 ), budgeted AS (
     SELECT read.*,
@@ -258,7 +256,7 @@ SELECT ordering_key,
 FROM budgeted
 ORDER BY ordering_key, seq;
 
--- name: finish_batch
+-- name: record_batch
 -- Records one batch's outcome in one statement, fenced by the claim token:
 -- keys whose lease was taken over by another relay are left alone, and so
 -- are their events. A key found empty is removed from the queue only when no
@@ -271,14 +269,14 @@ WITH batch_keys AS (
         CAST(:key_next_seqs AS bigint[]),
         CAST(:key_delays AS double precision[]),
         CAST(:key_parks AS boolean[]),
-        CAST(:key_exhausted AS boolean[])
-    ) AS v(ordering_key, next_seq, delay, park, exhausted)
+        CAST(:key_drained AS boolean[])
+    ) AS v(ordering_key, next_seq, delay, park, drained)
 ), removable AS (
     SELECT s.ordering_key
     FROM {seqs} s
     JOIN batch_keys b ON b.ordering_key = s.ordering_key
     WHERE s.ordering_key = ANY(CAST(:key_names AS text[]))
-      AND b.exhausted AND NOT b.park AND s.last_seq < b.next_seq
+      AND b.drained AND NOT b.park AND s.last_seq < b.next_seq
     FOR UPDATE OF s SKIP LOCKED
 ), removed AS (
     DELETE FROM {keys} h

@@ -18,8 +18,9 @@ from outbox_kafka import Event, Outbox, migrate
 from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import check_consistency
-from outbox_kafka.relay.loop import Relay
-from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay import Relay
+from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
+from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     admit_arrivals,
     consume_all,
@@ -49,7 +50,7 @@ def _record_first(store: Store, status: str, park: bool) -> None:
     event = key.events[0]
     next_seq = event.seq if park else event.seq + 1
     error = "test" if status == "discarded" else None
-    store.finish(
+    store.record(
         claim.token,
         [KeyOutcome(KEY, next_seq, 0.0, park, False)],
         [EventOutcome(event.event_id, KEY, status, int(park), 0.0, None, None, error)],

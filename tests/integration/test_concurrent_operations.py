@@ -21,10 +21,14 @@ from outbox_kafka.database import make_engine
 from outbox_kafka.errors import InvalidSelection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge, requeue
-from outbox_kafka.relay.loop import Relay
-from outbox_kafka.relay.publisher import DELIVERED, RETRIABLE, Delivery, Message, Publisher
+from outbox_kafka.relay import Relay
+from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
+from outbox_kafka.relay.boundaries import Delivery, Message
+from outbox_kafka.relay.monitoring import Monitor
+from outbox_kafka.relay.publisher import Publisher
 from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay.store import Store
+from outbox_kafka.relay.verdicts import Verdict
 from tests.relay_support import (
     admit_arrivals,
     consume_all,
@@ -234,7 +238,7 @@ def test_a_requeue_racing_a_relay_that_parks_the_key_never_skips_the_parking_eve
             # Meanwhile the relay records its batch: the second event discarded, the
             # key parked on it (fenced by its claim token, as always).
             parked = _InThread(
-                lambda: relay.finish(
+                lambda: relay.record(
                     token,
                     [KeyOutcome(KEY, 2, 0.0, True, False)],
                     [EventOutcome(second, KEY, "discarded", 1, 0.0, None, None, "test")],
@@ -430,11 +434,7 @@ def test_the_consistency_check_names_each_doctored_key_and_event(
     assert "next_seq 3" in details["passed_pending"]
     assert "claim token and lease expiry" in details["queue_rows"]
     # The relay's sampler counts what it can find cheaply: keys a and b, and c's queue row.
-    store = Store(database_url, TableNames())
-    try:
-        assert store.consistency_violations(timeout=10) == 3
-    finally:
-        store.close()
+    assert Monitor(engine, TableNames()).consistency_violations(timeout=10) == 3
 
     limited = check_consistency(engine, limit=1)
     assert limited.truncated["unqueued_pending"] is True
@@ -526,12 +526,11 @@ class _BrokerRejectsOnce(Publisher):
         self.reject -= rejected
         passed = [m for m, i in zip(messages, ids, strict=True) if i not in rejected]
         real = iter(super().send(passed, timeout=timeout, abort=abort))
-        refused = Delivery(RETRIABLE, error="MSG_SIZE_TOO_LARGE: rejected by the broker")
+        refused = Delivery(Verdict.RETRIABLE, error="MSG_SIZE_TOO_LARGE: rejected by the broker")
         refused.sent = refused.reported = True
         deliveries = [refused if i in rejected else next(real) for i in ids]
-        self.calls.append(
-            (ids, {i for i, d in zip(ids, deliveries, strict=True) if d.verdict == DELIVERED})
-        )
+        pairs = zip(ids, deliveries, strict=True)
+        self.calls.append((ids, {i for i, d in pairs if d.verdict == Verdict.DELIVERED}))
         return deliveries
 
 

@@ -33,7 +33,7 @@ from outbox_kafka import (
     migrate,
 )
 from outbox_kafka.database import make_engine
-from outbox_kafka.producer.envelope import headers_from_json
+from outbox_kafka.stored_headers import headers_from_json
 from outbox_kafka.tables import build_tables
 from tests.support import (
     BAD_INPUTS,

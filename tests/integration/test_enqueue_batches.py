@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.producer.envelope import headers_from_json
+from outbox_kafka.stored_headers import headers_from_json
 
 #: Keys a careless array literal would break: quotes, backslashes, separators, NULL.
 AWKWARD_KEYS = [

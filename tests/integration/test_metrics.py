@@ -22,7 +22,7 @@ from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import unpark_keys
 from outbox_kafka.queries import queries_for
-from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay import Relay
 from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.sampler import BacklogSampler
 from outbox_kafka.relay.settings import RelaySettings

@@ -25,7 +25,8 @@ from outbox_kafka.operations import (
     unpark,
     unpark_keys,
 )
-from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
+from outbox_kafka.relay.store import Store
 from tests.operator_support import (
     build_mix,
     corrupt,
@@ -335,7 +336,7 @@ def test_requeue_takes_the_key_back_from_a_relay_holding_it(
         assert (result.count, result.taken_keys) == (1, ["K"])
 
         # The holder reports its batch as delivered: fenced out, nothing recorded.
-        outcome = store.finish(
+        outcome = store.record(
             claim.token,
             [KeyOutcome("K", claimed.events[-1].seq + 1, 0.0, False, True)],
             [

@@ -31,11 +31,12 @@ from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
-from outbox_kafka.producer.envelope import headers_from_json, message_size
 from outbox_kafka.queries import pg_int_array, pg_text_array, queries_for
-from outbox_kafka.relay.loop import CycleReport, Relay
+from outbox_kafka.relay import CycleReport, Relay
+from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
 from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.store import EventOutcome, KeyOutcome, Store
+from outbox_kafka.relay.store import Store
+from outbox_kafka.stored_headers import headers_from_json, message_size
 from tests.relay_support import (
     Record,
     RelayThread,
@@ -356,7 +357,7 @@ def _explain_claim(engine: sa.Engine, batch_size: int) -> dict[str, Any]:
             params = {
                 "key_names": pg_text_array([key for key, _ in leased]),
                 "key_next_seqs": pg_int_array([next_seq for _, next_seq in leased]),
-                "batch_size": batch_size,
+                "per_key_limit": max(1, batch_size // max(1, len(leased))),
                 "max_bytes": DEFAULT_MAX_CLAIM_BYTES,
                 "values_as_text": True,
             }
@@ -1062,7 +1063,7 @@ def test_a_batch_is_produced_only_after_the_one_before_it_is_recorded(
     events = seq_events(topic, [f"k{i}" for i in range(400)], 2_000)
     ids = enqueue_bulk(engine, topic_outbox(), events)
     relay = Relay(make_settings(database_url, kafka_bootstrap, batch_size=200))
-    send, finish = relay.publisher.send, relay.store.finish
+    send, record = relay.publisher.send, relay.store.record
     lock = threading.Lock()
     recording = 0
     sends = 0
@@ -1075,19 +1076,19 @@ def test_a_batch_is_produced_only_after_the_one_before_it_is_recorded(
             overlapped += recording > 0
         return send(*args, **kwargs)
 
-    def slow_finish(*args: Any, **kwargs: Any) -> Any:
+    def slow_record(*args: Any, **kwargs: Any) -> Any:
         nonlocal recording
         with lock:
             recording += 1
         try:
             time.sleep(0.2)
-            return finish(*args, **kwargs)
+            return record(*args, **kwargs)
         finally:
             with lock:
                 recording -= 1
 
     relay.publisher.send = watched_send  # type: ignore[method-assign]
-    relay.store.finish = slow_finish  # type: ignore[method-assign]
+    relay.store.record = slow_record  # type: ignore[method-assign]
     try:
         report = relay.drain()
     finally:
@@ -1154,7 +1155,7 @@ def test_finish_is_fenced_by_the_claim_token(engine: sa.Engine, database_url: st
             for k in claim.keys
             for n, e in enumerate(k.events)
         ]
-        result = store.finish(claim.token, keys, outcomes)
+        result = store.record(claim.token, keys, outcomes)
     finally:
         store.close()
     assert result.keys_owned == 0

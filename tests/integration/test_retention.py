@@ -7,7 +7,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from outbox_kafka import Event
-from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay import Relay
 from tests.relay_support import admit_arrivals, enqueue_bulk, make_settings, topic_outbox
 
 AGE = sa.text(

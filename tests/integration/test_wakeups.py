@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import sqlalchemy as sa
 
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay.loop import Relay
-from outbox_kafka.relay.publisher import Delivery, Message, Publisher
+from outbox_kafka.relay import Relay
+from outbox_kafka.relay.boundaries import Delivery, Message
+from outbox_kafka.relay.publisher import Publisher
 from outbox_kafka.relay.settings import RelaySettings
 from outbox_kafka.relay.store import Store
 from tests.relay_support import (
@@ -104,13 +105,14 @@ def test_a_relay_going_idle_waits_for_writers_that_did_not_notify(
     look for work sees the writer's event."""
     outbox = topic_outbox()
     store = Store(database_url, TableNames())
+    wakeups = store.wakeups()
     try:
         with engine.connect() as writer:
             outbox.enqueue(writer, type="t", key="a", data=0, topic="t")
             # The writer holds the wake lock shared until it ends.
-            assert store.announce_idle(0.2) is False
-            assert not store.idle_announced
-            announcing = ThreadPoolExecutor(1).submit(store.announce_idle, 30)
+            assert wakeups.announce_idle(0.2) is False
+            assert not wakeups.idle_announced
+            announcing = ThreadPoolExecutor(1).submit(wakeups.announce_idle, 30)
             wait_until(
                 lambda: (
                     scalar(
@@ -125,19 +127,20 @@ def test_a_relay_going_idle_waits_for_writers_that_did_not_notify(
             )
             writer.commit()
         assert announcing.result(10) is True
-        assert store.idle_announced
+        assert wakeups.idle_announced
         # The writer's event is there for the relay's last look.
         assert len(store.claim(batch_size=10, lease_seconds=1).keys) == 1
 
         # While the relay waits idle, a commit notifies it; once it is busy, none does.
         with engine.begin() as conn:
             outbox.enqueue(conn, type="t", key="b", data=0, topic="t")
-        assert store.wait_for_wakeup(10) is True
-        store.announce_busy()
+        assert wakeups.wait_for_wakeup(10) is True
+        wakeups.announce_busy()
         with engine.begin() as conn:
             outbox.enqueue(conn, type="t", key="c", data=0, topic="t")
-        assert store.wait_for_wakeup(0.5) is False
+        assert wakeups.wait_for_wakeup(0.5) is False
     finally:
+        wakeups.close()
         store.close()
 
 

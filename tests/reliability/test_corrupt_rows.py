@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox_kafka import Event
-from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay import Relay
 from tests.relay_support import (
     consume_all,
     make_settings,

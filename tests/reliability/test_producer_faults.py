@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from prometheus_client import CollectorRegistry
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay import Relay
 from tests.relay_support import make_settings, outbox_summary, running_relay, scalar
 from tests.reliability.harness import Collector, audit, wait_all_delivered
 from tests.reliability.report import size

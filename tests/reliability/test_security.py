@@ -30,8 +30,8 @@ from outbox_kafka.database import make_engine
 from outbox_kafka.demo.embedded import free_port
 from outbox_kafka.migrations import migration_script
 from outbox_kafka.naming import TableNames
+from outbox_kafka.relay import Relay
 from outbox_kafka.relay.health import HealthChecks
-from outbox_kafka.relay.loop import Relay
 from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.publisher import Publisher
 from outbox_kafka.relay.sampler import BacklogSampler
@@ -648,10 +648,12 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
         store = Store(relay_url, TableNames())
         try:
             # LISTEN and the wake lock work: an idle relay is woken by a commit.
-            assert store.announce_idle(1) is True
+            wakeups = store.wakeups()
+            assert wakeups.announce_idle(1) is True
             with producer.begin() as conn:
                 ids.append(str(outbox.enqueue(conn, type="t.e", key="b", data={}, topic=topic)))
-            assert store.wait_for_wakeup(10) is True
+            assert wakeups.wait_for_wakeup(10) is True
+            wakeups.close()
             settings = make_settings(relay_url, kafka_bootstrap, retain_delivered_seconds=1)
             relay = Relay(settings, store=store)
             report = relay.drain()

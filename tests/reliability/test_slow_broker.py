@@ -24,7 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox_kafka.demo.embedded import EmbeddedBroker
-from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay import Relay
 from outbox_kafka.relay.metrics import RelayMetrics
 from tests.relay_support import (
     RelayThread,

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.producer.envelope import headers_from_json, headers_to_json, uuid7
+from outbox_kafka.producer.ids import uuid7
+from outbox_kafka.stored_headers import headers_from_json, headers_to_json
 from tests.support import EVENT_SCHEMAS, GOOD_TRACEPARENT, ORDER_CREATED, ORDER_PAID
 
 ORDER_CREATED_ID = json.loads((EVENT_SCHEMAS / "order.created.json").read_text())["$id"]

@@ -11,14 +11,14 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from sqlalchemy.exc import OperationalError
 
 from outbox_kafka import DuplicateEventId, InvalidKey, UnsafeConnection
-from outbox_kafka.relay.metrics import (
+from outbox_kafka.producer.metrics import (
     ENQUEUE_FAILURE_REASONS,
     ProducerMetrics,
-    RelayMetrics,
     counts_enqueue_failures,
     enqueue_failure_reason,
     producer_metrics,
 )
+from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.settings import RelaySettings
 
 BASE = {"database_url": "postgresql://u@h/d", "bootstrap_servers": "k:9092"}

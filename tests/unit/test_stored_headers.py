@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox_kafka.producer.envelope import headers_from_json, headers_from_text, headers_to_json
+from outbox_kafka.stored_headers import headers_from_json, headers_from_text, headers_to_json
 
 
 def jsonb_text(value: object) -> str:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any
 
+from outbox_kafka.logs import redact
 from outbox_kafka.operations import (
     CONSISTENCY_CHECKS,
     CheckResult,
@@ -16,6 +20,7 @@ from outbox_kafka.operations import (
     RequeueResult,
     UnparkResult,
 )
+from outbox_kafka.relay.settings import SECONDS_PER_DAY
 
 #: Longer cells (error messages) are cut in tables; ``--json`` has them whole.
 MAX_CELL = 72
@@ -179,8 +184,8 @@ def unpark_text(result: UnparkResult) -> str:
 
 def purge_text(result: PurgeResult) -> str:
     verb = "would delete" if result.dry_run else "deleted"
-    days_delivered = result.retain_delivered_seconds / 86400
-    days_discarded = result.retain_discarded_seconds / 86400
+    days_delivered = result.retain_delivered_seconds / SECONDS_PER_DAY
+    days_discarded = result.retain_discarded_seconds / SECONDS_PER_DAY
     return (
         f"{verb} {result.delivered} delivered events older than {days_delivered:g} days "
         f"and {result.discarded} discarded events older than {days_discarded:g} days"
@@ -208,3 +213,9 @@ def consistency_text(report: ConsistencyReport) -> str:
         if more:
             lines.append(f"     {check}: more than listed (raise --violation-limit)")
     return "\n".join(lines)
+
+
+def emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
+    """Print the result: ``document`` as JSON with ``--json``, else ``text``; secrets masked."""
+    out = json.dumps(document, indent=2, ensure_ascii=False) if args.json else text
+    print(redact(out))

@@ -1,0 +1,124 @@
+"""``outbox-kafka check``: what a relay with these settings needs, one OK/FAIL line each."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from outbox_kafka import operations
+from outbox_kafka.database import NO_DATABASE_URL, redact_url, url_secrets
+from outbox_kafka.errors import OutboxError
+from outbox_kafka.logs import register_secrets
+from outbox_kafka.relay.settings import RelaySettings
+
+from . import reports
+from .operator_commands import cmd_check_consistency, operator_engine
+from .options import add_option, add_output_flags, names_from
+from .relay_command import add_relay_parser, relay_settings
+
+_CHECK_HELP = (
+    "Check what a relay with these settings needs: the settings themselves (the same "
+    "validation as relay; every relay flag and variable is accepted), the schemas, the "
+    "database, the migrations and the Kafka brokers. One OK/FAIL line each; exit 0 only if "
+    "all pass, 1 otherwise. With --consistency: the database, the migrations and the "
+    "outbox's invariants (every pending event reachable by the key queue, counters ahead of "
+    "every sequence number, queue rows and leases whole, discards with a reason), with each "
+    "violation listed."
+)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    if args.consistency:
+        return cmd_check_consistency(args)
+    check = operations.CheckResult
+    results: list[operations.CheckResult] = []
+    register_secrets(url_secrets(args.database_url or ""))
+    settings: RelaySettings | None = None
+    try:
+        settings = relay_settings(args)
+    except OutboxError as exc:
+        results.append(check("settings", False, str(exc)))
+    else:
+        register_secrets(settings.secret_values())
+        results.append(
+            check(
+                "settings",
+                True,
+                f"valid: table {settings.names.qualified_events}, lease "
+                f"{settings.lease_seconds:g} s, delivery timeout "
+                f"{settings.effective_delivery_timeout_ms} ms, on exhausted: "
+                f"{settings.on_exhausted}",
+            )
+        )
+    results.append(operations.check_schemas(args.schema_dir))
+
+    timeout: float = args.check_timeout
+    if not args.database_url:
+        results.append(check("database", False, NO_DATABASE_URL))
+        results.append(check("migrations", False, "not checked: no database URL"))
+    else:
+        try:
+            names = names_from(args)
+            engine = operator_engine(args, connect_timeout=timeout)
+        except OutboxError as exc:
+            results.append(check("database", False, str(exc)))
+            results.append(check("migrations", False, "not checked: fix the settings first"))
+        else:
+            try:
+                results.extend(
+                    operations.check_database(
+                        engine, names, shown_url=redact_url(args.database_url)
+                    )
+                )
+            finally:
+                engine.dispose()
+
+    if settings is None:
+        results.append(check("kafka", False, "not checked: fix the settings first"))
+    else:
+        topics = [settings.dead_letter_topic] if settings.dead_letter_topic else []
+        results.extend(
+            operations.check_kafka(
+                settings.admin_config(),
+                timeout=timeout,
+                topics=topics,
+                create_topics=settings.create_topics is not None,
+                message_max_bytes=int(settings.producer_config()["message.max.bytes"]),
+            )
+        )
+    ok = all(r.ok for r in results)
+    document = {"ok": ok, "checks": [r.as_dict() for r in results]}
+    reports.emit(args, document, reports.check_text(results))
+    return 0 if ok else 1
+
+
+def add_check_parser(sub: Any) -> None:
+    """``check``: the relay's parser, and the check's own options."""
+    p = add_relay_parser(sub, "check", help="check settings, database, migrations and Kafka")
+    p.description = _CHECK_HELP
+    add_option(
+        p,
+        "--schema-dir",
+        help="also compile the payload schemas (<type>.json) of this directory",
+    )
+    add_option(
+        p,
+        "--check-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for the database and for Kafka metadata",
+    )
+    p.add_argument(
+        "--consistency",
+        action="store_true",
+        help="check the outbox's own invariants instead (database only: no relay settings "
+        "or Kafka needed); lists every violation with its key and event; exit 1 on any",
+    )
+    p.add_argument(
+        "--violation-limit",
+        type=int,
+        default=100,
+        help="with --consistency: violations listed per check",
+    )
+    add_output_flags(p)
+    p.set_defaults(handler=_cmd_check)

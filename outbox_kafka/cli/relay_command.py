@@ -1,0 +1,323 @@
+"""``outbox-kafka relay``: its options, its settings, signals and the HTTP endpoints."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from typing import TYPE_CHECKING, Any
+
+from outbox_kafka.errors import ConfigurationError, OutboxError
+from outbox_kafka.logs import LOG_FORMATS, configure_logging
+from outbox_kafka.relay.settings import (
+    COMPRESSIONS,
+    SECONDS_PER_DAY,
+    RelaySettings,
+    kafka_config_from_env,
+    kafka_config_from_file,
+    parse_kafka_pair,
+)
+
+from .options import add_database_option, add_flag, add_option, add_table_options
+
+if TYPE_CHECKING:
+    from outbox_kafka.relay.http_server import ObservabilityServer
+    from outbox_kafka.relay.loop import Relay
+
+#: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
+DEFAULT_METRICS_PORT = 9400
+#: `relay --drain` ended with events still pending (the summary says why).
+EXIT_WORK_LEFT = 3
+DEFAULT_METRICS_HOST = "0.0.0.0"
+
+
+def relay_settings(args: argparse.Namespace) -> RelaySettings:
+    """The relay's settings from its options (and the ``OUTBOX_KAFKA_CONFIG_*`` variables)."""
+    kafka = kafka_config_from_env()
+    if args.kafka_config_file:
+        kafka.update(kafka_config_from_file(args.kafka_config_file))
+    for pair in args.kafka_config or []:
+        key, value = parse_kafka_pair(pair)
+        kafka[key] = value
+    return RelaySettings(
+        database_url=args.database_url or "",
+        bootstrap_servers=args.bootstrap_servers or "",
+        table=args.table,
+        db_schema=args.db_schema,
+        kafka_config=kafka,
+        batch_size=args.batch_size,
+        max_claim_bytes=args.max_claim_bytes,
+        poll_interval=args.poll_interval,
+        lease_seconds=args.lease_seconds,
+        delivery_timeout_ms=args.delivery_timeout_ms,
+        backoff_base=args.backoff_base,
+        backoff_cap=args.backoff_cap,
+        max_attempts=args.max_attempts,
+        compression=args.compression,
+        dead_letter_topic=args.dead_letter_topic or None,
+        on_exhausted=args.on_exhausted,
+        create_topics=args.create_topics,
+        listen=not args.no_listen,
+        shutdown_timeout=args.shutdown_timeout,
+        retain_delivered_seconds=args.retain_delivered_days * SECONDS_PER_DAY,
+        retain_discarded_seconds=args.retain_discarded_days * SECONDS_PER_DAY,
+        purge_interval=args.purge_interval,
+        sample_interval=args.sample_interval,
+    )
+
+
+def _metrics_port(args: argparse.Namespace) -> int | None:
+    """The port to serve /metrics, /healthz and /readyz on, or None for no server.
+
+    ``relay`` serves on 9400 by default; ``relay --drain`` only when a port is
+    given. Port 0 turns the server off.
+    """
+    port: int | None = args.metrics_port
+    if port is None:
+        port = None if args.drain else DEFAULT_METRICS_PORT
+    if port is not None and not 0 <= port <= 65535:
+        raise OutboxError(f"--metrics-port must be between 0 and 65535, got {port}")
+    return port or None
+
+
+def _start_server(relay: Relay, args: argparse.Namespace) -> ObservabilityServer | None:
+    """Serve the relay's endpoints, if wanted.
+
+    A port given explicitly must be free (else exit 2); the default port, when
+    taken (several relays on one host), is skipped with a warning.
+    """
+    from outbox_kafka.relay.http_server import ObservabilityServer
+
+    port = _metrics_port(args)
+    if port is None:
+        return None
+    try:
+        server = ObservabilityServer.for_relay(relay, host=args.metrics_host, port=port)
+    except ConfigurationError as exc:
+        if args.metrics_port is not None:
+            raise
+        logging.getLogger("outbox_kafka.cli").warning(
+            "metrics and health endpoints not served: the default port is taken",
+            extra={"action": "http_unavailable", "error": str(exc)},
+        )
+        return None
+    return server.start()
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from outbox_kafka.relay.loop import Relay
+
+    settings = relay_settings(args)
+    configure_logging(args.log_format, args.log_level, secrets=settings.secret_values())
+    _metrics_port(args)  # a bad port is refused before anything starts
+    relay = Relay(settings)
+    try:
+        server = _start_server(relay, args)
+    except BaseException:
+        relay.close()
+        raise
+    try:
+        return _run_relay(args, relay)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _run_relay(args: argparse.Namespace, relay: Relay) -> int:
+    signals_seen = 0
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            # Second signal: leave now; leases hand the in-flight keys to another relay.
+            os._exit(128 + signum)
+        relay.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if args.drain:
+        try:
+            result = relay.drain_all(args.drain_timeout)
+        finally:
+            relay.close()
+        print(result.summary())
+        return 0 if result.complete else EXIT_WORK_LEFT
+    relay.run()
+    return 0
+
+
+def add_relay_parser(
+    sub: Any, name: str = "relay", help: str = "publish committed outbox events to Kafka"
+) -> argparse.ArgumentParser:
+    """The relay's parser; ``check`` is built on it so it validates the same settings.
+
+    Every default that is a relay setting is :class:`RelaySettings`' own.
+    """
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+    add_database_option(p)
+    add_option(
+        p,
+        "--bootstrap-servers",
+        env="OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
+        help="Kafka bootstrap servers, host:port[,host:port]",
+    )
+    p.add_argument(
+        "--kafka-config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any librdkafka setting, repeatable; also OUTBOX_KAFKA_CONFIG_<NAME> "
+        "with dots as underscores, e.g. OUTBOX_KAFKA_CONFIG_SECURITY_PROTOCOL=SSL",
+    )
+    add_option(p, "--kafka-config-file", help="file of librdkafka key=value lines")
+    add_table_options(p)
+    defaults = RelaySettings
+    add_option(
+        p, "--batch-size", type=int, default=defaults.batch_size, help="events claimed per cycle"
+    )
+    add_option(
+        p,
+        "--max-claim-bytes",
+        type=int,
+        default=defaults.max_claim_bytes,
+        help="bytes of event values and headers one claim reads at most (an event larger "
+        "than this still goes, alone); bounds the relay's memory, see docs/explanation/design.md",
+    )
+    add_option(
+        p,
+        "--poll-interval",
+        type=float,
+        default=defaults.poll_interval,
+        help="seconds between polls when idle",
+    )
+    add_option(
+        p,
+        "--lease-seconds",
+        type=float,
+        default=defaults.lease_seconds,
+        help="per-key lease length",
+    )
+    add_option(
+        p,
+        "--delivery-timeout-ms",
+        type=int,
+        default=defaults.delivery_timeout_ms,
+        help="Kafka delivery timeout; must be at most 80%% of the lease",
+    )
+    add_option(
+        p,
+        "--backoff-base",
+        type=float,
+        default=defaults.backoff_base,
+        help="first retry delay, seconds",
+    )
+    add_option(
+        p,
+        "--backoff-cap",
+        type=float,
+        default=defaults.backoff_cap,
+        help="largest retry delay, seconds",
+    )
+    add_option(
+        p,
+        "--max-attempts",
+        type=int,
+        default=defaults.max_attempts,
+        help="sends before an event is discarded",
+    )
+    add_option(
+        p,
+        "--compression",
+        default=defaults.compression,
+        choices=COMPRESSIONS,
+        help="Kafka compression codec",
+    )
+    add_option(
+        p,
+        "--dead-letter-topic",
+        default=defaults.dead_letter_topic,
+        help="copy discarded events to this topic",
+    )
+    add_option(
+        p,
+        "--on-exhausted",
+        default=defaults.on_exhausted,
+        choices=("continue", "park"),
+        help="after a discard: let the key continue, or park it until requeued",
+    )
+    add_option(
+        p,
+        "--create-topics",
+        type=int,
+        default=defaults.create_topics,
+        help="create missing topics with this many partitions",
+    )
+    add_flag(p, "--no-listen", help="poll only; do not LISTEN for enqueue notifications")
+    add_option(
+        p,
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout,
+        help="seconds to finish on SIGTERM",
+    )
+    add_option(
+        p,
+        "--retain-delivered-days",
+        type=float,
+        default=defaults.retain_delivered_seconds / SECONDS_PER_DAY,
+        help="keep delivered events",
+    )
+    add_option(
+        p,
+        "--retain-discarded-days",
+        type=float,
+        default=defaults.retain_discarded_seconds / SECONDS_PER_DAY,
+        help="keep discarded events",
+    )
+    add_option(
+        p,
+        "--purge-interval",
+        type=float,
+        default=defaults.purge_interval,
+        help="seconds between retention runs",
+    )
+    add_flag(
+        p,
+        "--drain",
+        help="publish everything, waiting for what comes due within --drain-timeout "
+        f"(other relays' leases, retries, delays); exit 0 when nothing is left pending, "
+        f"{EXIT_WORK_LEFT} when something is (the summary says what and why)",
+    )
+    add_option(
+        p,
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="with --drain: the longest wait for work to come due, seconds",
+    )
+    add_option(
+        p,
+        "--sample-interval",
+        type=float,
+        default=defaults.sample_interval,
+        help="seconds between samples of the backlog gauges (pending, oldest age, parked keys)",
+    )
+    add_option(
+        p,
+        "--metrics-port",
+        type=int,
+        help="port for /metrics, /healthz and /readyz; 0 turns the server off "
+        f"(default: {DEFAULT_METRICS_PORT}; with --drain: off unless given)",
+    )
+    add_option(
+        p,
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help="address the metrics and health server listens on; 0.0.0.0 is every "
+        "interface, 127.0.0.1 (or one interface's address) restricts it",
+    )
+    add_option(p, "--log-format", default="text", choices=LOG_FORMATS, help="log format")
+    add_option(p, "--log-level", default="INFO", help="log level")
+    p.set_defaults(handler=_cmd_relay)
+    return p

@@ -1,0 +1,110 @@
+"""What a claim hands the relay (keys and their events) and what the relay hands back
+to be recorded (each key's and each event's next state)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from outbox_kafka.relay.verdicts import EventStatus
+
+
+class ClaimedEvent(NamedTuple):
+    event_id: str
+    key: str
+    seq: int
+    topic: str
+    type: str
+    value: bytes
+    headers: list[tuple[str, bytes]] | None  # None: the stored headers are malformed
+    attempts: int
+    due: bool
+    wait_seconds: float
+    #: ``value`` as text when it came as UTF-8 text (the common case), for the envelope check.
+    text: str | None = None
+
+
+@dataclass
+class ClaimedKey:
+    key: str
+    next_seq: int
+    events: list[ClaimedEvent] = field(default_factory=list)
+    #: The last sequence number handed out for the key at claim time (None: unknown).
+    last_seq: int | None = None
+    #: Events of the key were left out of the claim to keep it within its byte budget.
+    withheld: bool = False
+
+    @property
+    def waiting(self) -> int:
+        """How many events the key had from ``next_seq`` on: at least those claimed."""
+        return len(self.events) + self.waiting_beyond_claim
+
+    @property
+    def waiting_beyond_claim(self) -> int:
+        """Sequence numbers handed out from ``next_seq`` on that the claim did not bring.
+
+        Unknown (``last_seq`` None) counts as one. Sequence numbers of events
+        that are not pending, or not committed yet, count too.
+        """
+        if self.last_seq is None:
+            return 1
+        return max(0, self.last_seq - self.next_seq + 1 - len(self.events))
+
+
+@dataclass(frozen=True)
+class Claim:
+    token: uuid.UUID
+    keys: list[ClaimedKey]
+    per_key_limit: int
+
+    @property
+    def event_count(self) -> int:
+        return sum(len(k.events) for k in self.keys)
+
+
+class KeyOutcome(NamedTuple):
+    """A key's state after its batch: where it resumes, when, and whether it is done."""
+
+    key: str
+    #: The first sequence number not yet settled: the key's next event to send.
+    next_seq: int
+    #: Seconds before the key is due again.
+    delay: float
+    #: The key stops at ``next_seq`` until an operator requeues or unparks it.
+    park: bool
+    #: Every event of the key up to the last one handed out is settled: the key may
+    #: leave the queue (the record checks, under lock, that no writer added one since).
+    drained: bool
+
+    @classmethod
+    def unchanged(cls, key: ClaimedKey) -> KeyOutcome:
+        """The key handed back as it was claimed, due again at once."""
+        return cls(key.key, key.next_seq, 0.0, False, False)
+
+
+class EventOutcome(NamedTuple):
+    """An event's state after its batch."""
+
+    event_id: str
+    key: str
+    status: EventStatus
+    #: Attempts this batch adds to the event's count (0 or 1).
+    attempts_added: int
+    #: Seconds before the event may be sent again (a retry's backoff).
+    delay: float
+    partition: int | None
+    offset: int | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """What recording a batch changed, as the database counted it."""
+
+    keys_owned: int
+    keys_removed: int
+    delivered: int
+    discarded: int
+    retried: int
+    latencies: list[float]

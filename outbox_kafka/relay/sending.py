@@ -1,0 +1,179 @@
+"""Sending one claimed batch under its lease, and acting on the policy's decisions.
+
+The events go out in one send together with the dead-letter copies of events
+already known to be discarded; copies of events the broker's answers discarded
+follow in a second send. Nothing is sent with less than one delivery timeout of
+the lease left, so all of it is delivered or timed out before another relay can
+take the keys. The decisions (:mod:`~outbox_kafka.relay.planning`,
+:mod:`~outbox_kafka.relay.policy`) are pure; here they are logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from outbox_kafka.relay.batches import Claim, ClaimedEvent, EventOutcome, KeyOutcome
+from outbox_kafka.relay.boundaries import Delivery, Message, MessagePublisher
+from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.planning import dead_letter_messages, note_copies, plan_batch
+from outbox_kafka.relay.policy import RetryPolicy, Settlement, error_label
+from outbox_kafka.relay.verdicts import Problem
+
+log = logging.getLogger("outbox_kafka.relay")
+
+
+@dataclass
+class SentBatch:
+    """A batch after sending: every key's and event's next state, to be recorded."""
+
+    keys: list[KeyOutcome] = field(default_factory=list)
+    events: list[EventOutcome] = field(default_factory=list)
+    #: Events handed to the producer (dead-letter copies not counted).
+    sent: int = 0
+
+
+class BatchSender:
+    def __init__(
+        self,
+        publisher: MessagePublisher,
+        policy: RetryPolicy,
+        metrics: RelayMetrics,
+        *,
+        dead_letter_topic: str | None,
+        delivery_timeout: float,
+        abort: Callable[[], bool],
+    ) -> None:
+        self.publisher = publisher
+        self.policy = policy
+        self.metrics = metrics
+        self.dead_letter_topic = dead_letter_topic
+        self._delivery_timeout = delivery_timeout
+        self._send_timeout = delivery_timeout + 5.0
+        self._abort = abort
+
+    def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
+        """Send the claimed events; decide every key's and event's next state."""
+        topic_problem = self.publisher.topic_problem
+        plan = plan_batch(claim, problems, topic_problem, self.policy)
+        results = plan.results
+        first = plan.discarded_first
+        first_copies = dead_letter_messages(
+            first, self.dead_letter_topic, topic_problem, results.copies
+        )
+        if plan.messages or first_copies:
+            deliveries = self._within_lease(plan.messages + first_copies, lease_ends)
+            sent = deliveries[: len(plan.messages)]
+            results.deliveries = {id(e): d for e, d in zip(plan.events, sent, strict=True)}
+            note_copies(first, deliveries[len(plan.messages) :], results.copies)
+
+        later = [
+            discard
+            for claimed, due in plan.keys
+            for discard in self.policy.discards(claimed, due, results, claim.per_key_limit)
+            if id(discard.event) not in results.copies
+        ]
+        later_copies = dead_letter_messages(
+            later, self.dead_letter_topic, topic_problem, results.copies
+        )
+        if later_copies:
+            note_copies(later, self._within_lease(later_copies, lease_ends), results.copies)
+
+        batch = SentBatch(keys=plan.idle_keys, sent=len(plan.messages))
+        published: dict[str, int] = {}
+        for claimed, due in plan.keys:
+            settled = self.policy.settle(claimed, due, results, claim.per_key_limit)
+            batch.keys.append(settled.key)
+            batch.events.extend(settled.events)
+            for event in settled.delivered:
+                published[event.topic] = published.get(event.topic, 0) + 1
+            self._act_on(settled)
+        for topic, count in published.items():
+            self.metrics.published.labels(topic=topic).inc(count)
+        return batch
+
+    def _within_lease(self, messages: list[Message], lease_ends: float) -> list[Delivery]:
+        """Send ``messages`` if the lease outlasts their delivery timeout; else none (unsent).
+
+        Metadata lookups and topic creation before the send count against the
+        lease: they have run by now.
+        """
+        left = lease_ends - time.monotonic()
+        if left < self._delivery_timeout:
+            log.warning(
+                "too little of the lease left to send; the keys go back to the queue",
+                extra={
+                    "action": "send_skipped",
+                    "messages": len(messages),
+                    "lease_left_seconds": round(max(0.0, left), 3),
+                },
+            )
+            return [Delivery() for _ in messages]
+        return self.publisher.send(messages, timeout=self._send_timeout, abort=self._abort)
+
+    def _act_on(self, settled: Settlement) -> None:
+        """Log and count one key's decisions."""
+        for violation in settled.order_violations:
+            later = violation.later
+            self.metrics.order_violations.labels(topic=later.topic).inc()
+            log.error(
+                "a later event of a key reached Kafka while an earlier one did not",
+                extra={
+                    "action": "order_violation",
+                    "key": later.key,
+                    "event_id": later.event_id,
+                    "earlier_event_id": violation.earlier.event_id,
+                    "topic": later.topic,
+                },
+            )
+        for retry in settled.retries:
+            self.metrics.retried.labels(
+                topic=retry.event.topic, reason=error_label(retry.error)
+            ).inc()
+            log.warning(
+                "send failed, will retry",
+                extra=event_fields(retry.event, "retry", retry.attempt, retry.error),
+            )
+        for retry in settled.copy_retries:
+            self._copy_failed(retry.event, retry.attempt, retry.error)
+        for discard in settled.discards:
+            if discard.copy_failed is not None:
+                self._copy_failed(discard.event, discard.attempt, discard.copy_failed[1])
+            self.metrics.discarded.labels(
+                topic=discard.event.topic, reason=error_label(discard.error)
+            ).inc()
+            log.error(
+                "event discarded",
+                extra=event_fields(
+                    discard.event,
+                    "discard",
+                    discard.attempt,
+                    discard.reason,
+                    parked=self.policy.park,
+                ),
+            )
+
+    def _copy_failed(self, event: ClaimedEvent, attempt: int, error: str | None) -> None:
+        log.error(
+            "dead-letter copy failed",
+            extra=event_fields(
+                event, "dead_letter_failed", attempt, error, to=self.dead_letter_topic
+            ),
+        )
+
+
+def event_fields(
+    event: ClaimedEvent, action: str, attempt: int, error: str | None, **more: object
+) -> dict[str, object]:
+    """The structured fields of a log record about one event."""
+    return {
+        "action": action,
+        "event_id": event.event_id,
+        "key": event.key,
+        "topic": event.topic,
+        "attempt": attempt,
+        "error": error,
+        **more,
+    }

@@ -1,0 +1,135 @@
+"""The stored form of an event's Kafka headers, written by the producer and read by the relay.
+
+The outbox keeps an event's headers in a jsonb column as ``[[name, value], ...]``.
+A value that is UTF-8 text without NUL is stored as that text; any other
+value as ``{"base64": ...}``. Reading the stored form gives back exactly the
+bytes that were written. :func:`message_size` counts a message with its
+headers as Kafka's limits do.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+
+#: The structured-mode content type: the first header of every event the library writes.
+CONTENT_TYPE = "application/cloudevents+json"
+CONTENT_TYPE_HEADER = ("content-type", CONTENT_TYPE.encode())
+
+_json_string: Callable[[str], str] = json.encoder.encode_basestring
+
+
+def stored_header(name: str, value: bytes) -> str:
+    """One header as stored: ``[name, text]``, or ``[name, {"base64": ...}]``."""
+    text: str | None = None
+    if b"\x00" not in value:
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+    if text is None:
+        encoded = base64.b64encode(value).decode("ascii")
+        return f'[{_json_string(name)},{{"base64":"{encoded}"}}]'
+    return f"[{_json_string(name)},{_json_string(text)}]"
+
+
+#: :data:`CONTENT_TYPE_HEADER` as stored.
+STORED_CONTENT_TYPE = stored_header(*CONTENT_TYPE_HEADER)
+
+
+def headers_to_json(headers: list[tuple[str, bytes]]) -> str:
+    """Headers as stored: ``[[name, value], ...]``, binary values as ``{"base64": ...}``.
+
+    PostgreSQL's jsonb cannot hold NUL characters, so values containing NUL
+    are stored as base64 too; the bytes sent are always the bytes given.
+    """
+    return "[" + ",".join(stored_header(name, value) for name, value in headers) + "]"
+
+
+def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:
+    """The headers to send from their stored form; None when the row is malformed."""
+    if type(stored) is not list:
+        return None
+    headers: list[tuple[str, bytes]] = []
+    append = headers.append
+    for item in stored:
+        if type(item) is not list or len(item) != 2:
+            return None
+        name, value = item
+        if type(name) is not str:
+            return None
+        if type(value) is str:
+            append((name, value.encode("utf-8")))
+        elif type(value) is dict and type(value.get("base64")) is str:
+            try:
+                append((name, base64.b64decode(value["base64"], validate=True)))
+            except ValueError:
+                return None
+        else:
+            return None
+    return headers
+
+
+#: How jsonb prints the stored headers of every event the library wrote, up to its id.
+_LIBRARY_HEADERS_HEAD = f'[["content-type", "{CONTENT_TYPE}"], ["ce_id", "'
+#: The headers after ``ce_id`` by the text after the id: the same for every
+#: event of one type and source without a traceparent or headers of its own.
+_header_tails: dict[str, tuple[tuple[str, bytes], ...]] = {}
+_HEADER_TAILS_KEPT = 256
+
+
+def headers_from_text(stored: str) -> list[tuple[str, bytes]] | None:
+    """The headers to send from jsonb's text form of the stored headers; None when malformed.
+
+    Events of one type and source differ only in their id, so what follows
+    the id is read once and kept (for a bounded number of such tails).
+    """
+    if stored.startswith(_LIBRARY_HEADERS_HEAD):
+        start = len(_LIBRARY_HEADERS_HEAD)
+        end = stored.find('"', start)
+        event_id = stored[start:end]
+        if end > 0 and "\\" not in event_id:
+            tail = stored[end:]
+            known = _header_tails.get(tail)
+            if known is not None:
+                return [CONTENT_TYPE_HEADER, ("ce_id", event_id.encode()), *known]
+            headers = _read_headers_text(stored)
+            if headers is not None and len(_header_tails) < _HEADER_TAILS_KEPT:
+                _header_tails[tail] = tuple(headers[2:])
+            return headers
+    return _read_headers_text(stored)
+
+
+def _read_headers_text(stored: str) -> list[tuple[str, bytes]] | None:
+    """Read the stored headers' text in full.
+
+    jsonb prints ``[["name", "value"], ...]`` with ``", "`` between items. When
+    the text holds no backslash (no escaped character) and no object (no
+    base64 value), every double quote delimits a string, so splitting on quotes
+    yields the names and values; the separators are checked, and anything else
+    goes through the JSON parser.
+    """
+    if stored == "[]":
+        return []
+    if "\\" not in stored and "{" not in stored:
+        parts = stored.split('"')
+        # [[ name , value ], [ name , value ]]  ->  4 parts per header, plus the ends.
+        count = len(parts) >> 2
+        if (
+            len(parts) == 4 * count + 1
+            and parts[0] == "[["
+            and parts[-1] == "]]"
+            and parts[2::4].count(", ") == count
+            and parts[4::4].count("], [") == count - 1
+        ):
+            return list(zip(parts[1::4], [value.encode() for value in parts[3::4]], strict=True))
+    try:
+        return headers_from_json(json.loads(stored))
+    except (ValueError, RecursionError):
+        return None
+
+
+def message_size(key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> int:
+    """Bytes a message occupies before Kafka's own record overhead."""
+    return len(key) + len(value) + sum(len(n.encode("utf-8")) + len(v) for n, v in headers)

@@ -1,0 +1,340 @@
+"""In-memory fakes of the relay's two boundaries, for tests without PostgreSQL or Kafka.
+
+:class:`InMemoryStore` keeps an outbox in memory with the store's contract (per-key
+sequence numbers, leases fenced by a claim token, retries, parking);
+:class:`StubPublisher` records what would reach Kafka and answers as told. A
+:class:`~outbox_kafka.relay.Relay` runs on them unchanged, so a test can check the
+messages an application's events become, exactly as the relay would send them::
+
+    store, kafka = InMemoryStore(), StubPublisher()
+    store.enqueue(outbox, Event(type="order.created", key="o-1", topic="orders", data={...}))
+    Relay(settings, store=store, publisher=kafka).drain()
+    assert [m.key for m in kafka.messages("orders")] == [b"o-1"]
+
+They are fakes: no transactions, no concurrency between relays, and
+``Relay.run()`` still starts its database sampler; use ``drain()``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from outbox_kafka.producer.outbox import Event, Outbox
+from outbox_kafka.relay.batches import (
+    Claim,
+    ClaimedEvent,
+    ClaimedKey,
+    EventOutcome,
+    KeyOutcome,
+    RecordResult,
+)
+from outbox_kafka.relay.boundaries import Delivery, Message
+from outbox_kafka.relay.reports import Remaining
+from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
+from outbox_kafka.relay.wakeups import Wakeups
+
+__all__ = ["InMemoryStore", "StoredEvent", "StubPublisher"]
+
+
+@dataclass
+class StoredEvent:
+    """One event row of an :class:`InMemoryStore`."""
+
+    event_id: str
+    key: str
+    seq: int
+    topic: str
+    type: str
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    available_at: float = 0.0
+    status: EventStatus = EventStatus.PENDING
+    attempts: int = 0
+    error: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+    finished_at: float | None = None
+
+
+@dataclass
+class _Key:
+    next_seq: int = 1
+    due_at: float = 0.0
+    token: uuid.UUID | None = None
+    lease_until: float = 0.0
+    parked: bool = False
+    events: list[StoredEvent] = field(default_factory=list)
+
+
+class InMemoryStore:
+    """An outbox in memory, with the contract of the relay's store."""
+
+    url_for_logs = "memory://outbox"
+    arrivals_left = False
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._keys: dict[str, _Key] = {}
+        self._clock = clock
+
+    # Writing events --------------------------------------------------------------
+
+    def enqueue(self, outbox: Outbox, event: Event | Mapping[str, Any]) -> uuid.UUID:
+        """Validate and encode ``event`` with ``outbox`` (as ``enqueue`` would) and store it."""
+        encoded = outbox.encode(event if isinstance(event, Event) else Event(**event))
+        delay = encoded.delay_seconds or 0.0
+        if encoded.available_at is not None:
+            delay = max(delay, encoded.available_at.timestamp() - time.time())
+        self.append(
+            encoded.key,
+            encoded.topic,
+            encoded.value,
+            encoded.headers,
+            event_type=encoded.type,
+            event_id=str(encoded.event_id),
+            delay=delay,
+        )
+        return encoded.event_id
+
+    def append(
+        self,
+        key: str,
+        topic: str,
+        value: bytes,
+        headers: Sequence[tuple[str, bytes]] = (),
+        *,
+        event_type: str = "",
+        event_id: str | None = None,
+        delay: float = 0.0,
+    ) -> StoredEvent:
+        """Store an event as given (no validation): the next of its key."""
+        state = self._keys.setdefault(key, _Key())
+        seq = state.events[-1].seq + 1 if state.events else 1
+        stored = StoredEvent(
+            event_id or str(uuid.uuid4()),
+            key,
+            seq,
+            topic,
+            event_type,
+            value,
+            list(headers),
+            available_at=self._clock() + delay,
+        )
+        state.events.append(stored)
+        return stored
+
+    def events(self, key: str | None = None) -> list[StoredEvent]:
+        """The stored events (of ``key``), in key then sequence order."""
+        keys = [key] if key is not None else sorted(self._keys)
+        return [e for k in keys if k in self._keys for e in self._keys[k].events]
+
+    def parked_keys(self) -> list[str]:
+        return sorted(k for k, s in self._keys.items() if s.parked)
+
+    # The store's contract ----------------------------------------------------------
+
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease_seconds: float,
+        max_keys: int | None = None,
+        max_bytes: int = 0,
+    ) -> Claim:
+        now = self._clock()
+        token = uuid.uuid4()
+        chosen = [
+            (name, state)
+            for name, state in sorted(self._keys.items())
+            if not state.parked
+            and state.due_at <= now
+            and (state.token is None or state.lease_until <= now)
+            and any(e.seq >= state.next_seq for e in state.events)
+        ][: max_keys or batch_size]
+        per_key = max(1, batch_size // max(1, len(chosen)))
+        keys: list[ClaimedKey] = []
+        for name, state in chosen:
+            state.token, state.lease_until = token, now + lease_seconds
+            pending = [
+                e
+                for e in state.events
+                if e.seq >= state.next_seq and e.status == EventStatus.PENDING
+            ]
+            claimed = ClaimedKey(name, state.next_seq, last_seq=state.events[-1].seq)
+            for e in pending[:per_key]:
+                claimed.events.append(
+                    ClaimedEvent(
+                        e.event_id,
+                        name,
+                        e.seq,
+                        e.topic,
+                        e.type,
+                        e.value,
+                        list(e.headers),
+                        e.attempts,
+                        e.available_at <= now,
+                        max(0.0, e.available_at - now),
+                    )
+                )
+            keys.append(claimed)
+        return Claim(token, keys, per_key)
+
+    def record(
+        self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]
+    ) -> RecordResult:
+        now = self._clock()
+        owned = {k.key for k in keys if self._owns(k.key, token)}
+        counts = {status: 0 for status in EventStatus}
+        for outcome in events:
+            if outcome.key not in owned:
+                continue
+            stored = next(
+                e for e in self._keys[outcome.key].events if e.event_id == outcome.event_id
+            )
+            stored.status = outcome.status
+            stored.attempts += outcome.attempts_added
+            stored.available_at = now + outcome.delay
+            stored.partition, stored.offset = outcome.partition, outcome.offset
+            stored.error = outcome.error
+            if outcome.status != EventStatus.PENDING:
+                stored.finished_at = now
+            counts[outcome.status] += 1
+        removed = 0
+        for key in keys:
+            if key.key not in owned:
+                continue
+            state = self._keys[key.key]
+            state.token = None
+            state.next_seq = key.next_seq
+            state.due_at = now + key.delay
+            state.parked = key.park
+            if key.drained and not key.park and state.events[-1].seq < key.next_seq:
+                removed += 1
+        return RecordResult(
+            keys_owned=len(owned),
+            keys_removed=removed,
+            delivered=counts[EventStatus.DELIVERED],
+            discarded=counts[EventStatus.DISCARDED],
+            retried=counts[EventStatus.PENDING],
+            latencies=[],
+        )
+
+    def remaining(self) -> Remaining:
+        now = self._clock()
+        counts = {"leased": 0, "parked": 0, "retrying": 0, "delayed": 0, "due": 0}
+        next_due: float | None = None
+        for state in self._keys.values():
+            pending = [
+                e
+                for e in state.events
+                if e.status == EventStatus.PENDING and e.seq >= state.next_seq
+            ]
+            if not pending:
+                continue
+            if state.parked:
+                why = "parked"
+            elif state.token is not None and state.lease_until > now:
+                why = "leased"
+            elif max(state.due_at, pending[0].available_at) > now:
+                why = "retrying" if pending[0].attempts else "delayed"
+            else:
+                why = "due"
+            counts[why] += len(pending)
+            if not state.parked:
+                due = max(state.due_at, pending[0].available_at, state.lease_until) - now
+                next_due = due if next_due is None else min(next_due, due)
+        return Remaining(
+            pending=sum(counts.values()), unreachable=0, next_due_seconds=next_due, **counts
+        )
+
+    def purge(self, *, delivered_seconds: float, discarded_seconds: float, batch: int) -> int:
+        now = self._clock()
+        keep = {EventStatus.DELIVERED: delivered_seconds, EventStatus.DISCARDED: discarded_seconds}
+        removed = 0
+        for name, state in list(self._keys.items()):
+            kept = [
+                e
+                for e in state.events
+                if e.finished_at is None or now - e.finished_at <= keep[e.status]
+            ]
+            removed += len(state.events) - len(kept)
+            state.events = kept
+            if not kept and state.token is None:
+                # Nothing of the key left to order: it starts again from 1.
+                del self._keys[name]
+        return removed
+
+    def wakeups(self) -> Wakeups | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def _owns(self, key: str, token: uuid.UUID) -> bool:
+        state = self._keys.get(key)
+        return state is not None and state.token == token
+
+
+#: How a :class:`StubPublisher` answers one message: a verdict, or (verdict, error).
+Answer = Callable[[Message], Verdict | tuple[Verdict, str]]
+
+
+class StubPublisher:
+    """Records every send; answers each message with ``answer`` (default: delivered)."""
+
+    def __init__(
+        self,
+        answer: Answer | None = None,
+        *,
+        topic_problems: Mapping[str, Problem] | None = None,
+        max_message_bytes: int = 1 << 20,
+    ) -> None:
+        self.answer: Answer = answer or (lambda message: Verdict.DELIVERED)
+        self.topic_problems = dict(topic_problems or {})
+        self.max_message_bytes = max_message_bytes
+        #: Every send, as the list of messages it carried.
+        self.sends: list[list[Message]] = []
+        self._offsets: dict[str, int] = {}
+        self._delivered: list[tuple[Message, Delivery]] = []
+
+    def messages(self, topic: str | None = None) -> list[Message]:
+        """Every message Kafka acknowledged (of ``topic``), in the order sent."""
+        return [m for m, d in self._delivered if topic is None or m.topic == topic]
+
+    def topic_problem(self, topic: str) -> Problem | None:
+        return self.topic_problems.get(topic)
+
+    def send(
+        self,
+        messages: Sequence[Message],
+        *,
+        timeout: float,
+        abort: Callable[[], bool] | None = None,
+    ) -> list[Delivery]:
+        self.sends.append(list(messages))
+        deliveries = []
+        for message in messages:
+            answer = self.answer(message)
+            verdict, error = answer if isinstance(answer, tuple) else (answer, None)
+            delivery = Delivery(verdict, error=error, sent=True, reported=True)
+            if verdict == Verdict.DELIVERED:
+                offset = self._offsets.get(message.topic, 0)
+                self._offsets[message.topic] = offset + 1
+                delivery.partition, delivery.offset = 0, offset
+                self._delivered.append((message, delivery))
+            elif error is None:
+                delivery.error = f"STUB_{verdict.upper()}: answered so by the test"
+            deliveries.append(delivery)
+        return deliveries
+
+    def poll(self) -> None:
+        pass
+
+    def broker_problem(self, timeout: float) -> str | None:
+        return None
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass

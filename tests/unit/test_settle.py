@@ -1,0 +1,259 @@
+"""The retry policy's decisions, and the relay on the in-memory fakes (no services)."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from pathlib import Path
+
+import pytest
+
+from outbox_kafka import Event, Outbox
+from outbox_kafka.relay import Relay
+from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey
+from outbox_kafka.relay.boundaries import Delivery, Message
+from outbox_kafka.relay.policy import BatchResults, RetryPolicy
+from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.verdicts import EventStatus, Verdict
+from outbox_kafka.testing import InMemoryStore, StubPublisher
+
+
+def _policy(max_attempts: int = 3, *, park: bool = False) -> RetryPolicy:
+    return RetryPolicy(max_attempts, park, 0.5, 60.0, 30.0, random.Random(1))
+
+
+def _key(n: int, attempts: int = 0) -> tuple[ClaimedKey, list[ClaimedEvent]]:
+    events = [
+        ClaimedEvent(str(uuid.uuid4()), "k", s, "t", "x", b"{}", [], attempts, True, 0.0)
+        for s in range(1, n + 1)
+    ]
+    return ClaimedKey("k", 1, events, last_seq=n), events
+
+
+def _reported(verdict: Verdict, error: str | None = None, offset: int = 0) -> Delivery:
+    return Delivery(verdict, 0, offset, error, sent=True, reported=True)
+
+
+def _statuses(outcomes: list[object]) -> list[str]:
+    return [str(getattr(o, "status")) for o in outcomes]  # noqa: B009
+
+
+def test_delivered_events_are_recorded_and_a_drained_key_may_leave_the_queue() -> None:
+    key, events = _key(2)
+    results = BatchResults(deliveries={id(e): _reported(Verdict.DELIVERED) for e in events})
+    settled = _policy().settle(key, events, results, per_key_limit=10)
+    assert _statuses(settled.events) == ["delivered", "delivered"]
+    assert settled.key.next_seq == 3 and settled.key.drained and not settled.key.park
+    assert settled.delivered == events
+
+
+def test_a_retriable_failure_holds_the_key_at_that_event_with_a_backoff() -> None:
+    key, events = _key(3)
+    results = BatchResults(
+        deliveries={
+            id(events[0]): _reported(Verdict.DELIVERED),
+            id(events[1]): _reported(Verdict.RETRIABLE, "REQUEST_TIMED_OUT: slow"),
+            id(events[2]): Delivery(),  # not handed over behind the failure
+        }
+    )
+    settled = _policy().settle(key, events, results, per_key_limit=10)
+    assert _statuses(settled.events) == ["delivered", "pending"]
+    assert settled.events[1].attempts_added == 1 and 0.25 <= settled.events[1].delay <= 0.5
+    assert settled.key.next_seq == 2 and settled.key.delay == settled.events[1].delay
+    assert not settled.key.drained
+    assert [r.error for r in settled.retries] == ["REQUEST_TIMED_OUT: slow"]
+
+
+def test_after_the_last_attempt_the_event_is_discarded_and_the_key_goes_on() -> None:
+    key, events = _key(2, attempts=2)
+    results = BatchResults(
+        deliveries={
+            id(events[0]): _reported(Verdict.RETRIABLE, "REQUEST_TIMED_OUT: slow"),
+            id(events[1]): _reported(Verdict.DELIVERED),
+        }
+    )
+    settled = _policy(max_attempts=3).settle(
+        key, events, results, per_key_limit=10, copy_unknown=(Verdict.DELIVERED, None)
+    )
+    assert _statuses(settled.events) == ["discarded", "delivered"]
+    assert settled.discards[0].reason == "gave up after 3 attempts: REQUEST_TIMED_OUT: slow"
+    assert settled.key.next_seq == 3 and settled.key.drained
+    assert settled.order_violations == []
+
+
+def test_with_park_a_discard_stops_the_key_and_nothing_after_it_is_settled() -> None:
+    key, events = _key(2)
+    results = BatchResults(
+        problems={id(events[0]): (Verdict.PERMANENT, "INVALID_ENVELOPE: x")},
+        copies={id(events[0]): (Verdict.DELIVERED, None)},
+    )
+    settled = _policy(park=True).settle(key, events, results, per_key_limit=10)
+    assert _statuses(settled.events) == ["discarded"]
+    assert settled.key.park and settled.key.next_seq == 1 and not settled.key.drained
+
+
+def test_a_failed_dead_letter_copy_keeps_the_event_for_a_retry() -> None:
+    key, events = _key(1)
+    results = BatchResults(
+        problems={id(events[0]): (Verdict.PERMANENT, "INVALID_ENVELOPE: x")},
+        copies={id(events[0]): (Verdict.RETRIABLE, "REQUEST_TIMED_OUT: dlq")},
+    )
+    settled = _policy().settle(key, events, results, per_key_limit=10)
+    assert _statuses(settled.events) == ["pending"] and settled.discards == []
+    assert [r.error for r in settled.copy_retries] == ["REQUEST_TIMED_OUT: dlq"]
+    # With no answer for the copy at all, the same: it was not sent in this batch.
+    unanswered = BatchResults(problems=results.problems)
+    assert _statuses(_policy().settle(key, events, unanswered, 10).events) == ["pending"]
+
+
+def test_an_impossible_dead_letter_copy_leaves_the_row_discarded_with_both_reasons() -> None:
+    key, events = _key(1)
+    results = BatchResults(
+        problems={id(events[0]): (Verdict.PERMANENT, "INVALID_ENVELOPE: x")},
+        copies={id(events[0]): (Verdict.PERMANENT, "MSG_SIZE_TOO_LARGE: big")},
+    )
+    settled = _policy().settle(key, events, results, per_key_limit=10)
+    assert settled.events[0].error == (
+        "INVALID_ENVELOPE: x; dead-letter copy impossible: MSG_SIZE_TOO_LARGE: big"
+    )
+    assert settled.discards[0].copy_failed == (Verdict.PERMANENT, "MSG_SIZE_TOO_LARGE: big")
+
+
+def test_an_unreported_event_keeps_its_key_off_limits_for_a_lease() -> None:
+    key, events = _key(1)
+    unreported = Delivery(sent=True, reported=False, error="still in the producer")
+    results = BatchResults(deliveries={id(events[0]): unreported})
+    settled = _policy().settle(key, events, results, 10)
+    assert settled.events == [] and settled.key.delay == 30.0 and settled.key.next_seq == 1
+
+
+def test_a_later_event_delivered_behind_a_failed_one_is_an_order_violation() -> None:
+    key, events = _key(2)
+    results = BatchResults(
+        deliveries={
+            id(events[0]): _reported(Verdict.RETRIABLE, "CORRUPT_MESSAGE: x"),
+            id(events[1]): _reported(Verdict.DELIVERED),
+        }
+    )
+    settled = _policy().settle(key, events, results, per_key_limit=10)
+    assert _statuses(settled.events) == ["pending", "delivered"]
+    assert [(v.earlier, v.later) for v in settled.order_violations] == [(events[0], events[1])]
+
+
+def test_discards_lists_what_settle_discards_when_copies_succeed() -> None:
+    key, events = _key(3, attempts=2)
+    results = BatchResults(
+        deliveries={id(e): _reported(Verdict.RETRIABLE, "TIMED_OUT: x") for e in events}
+    )
+    assert [d.event for d in _policy().discards(key, events, results, 10)] == events
+    assert [d.event for d in _policy(park=True).discards(key, events, results, 10)] == events[:1]
+
+
+# ---------------------------------------------------------------- the relay on the fakes
+
+
+def _outbox() -> Outbox:
+    return Outbox(source="/tests")
+
+
+def _relay(store: InMemoryStore, kafka: StubPublisher, **settings: object) -> Relay:
+    config = RelaySettings(
+        database_url="postgresql://unused/db",
+        bootstrap_servers="unused:1",
+        listen=False,
+        **settings,  # type: ignore[arg-type]
+    )
+    return Relay(config, store=store, publisher=kafka)
+
+
+def _enqueue(store: InMemoryStore, key: str, n: int, topic: str = "t") -> None:
+    for i in range(n):
+        store.enqueue(_outbox(), Event(type="x.y", key=key, topic=topic, data={"i": i}))
+
+
+def test_the_relay_on_the_fakes_sends_every_key_in_order() -> None:
+    store, kafka = InMemoryStore(), StubPublisher()
+    for key in ("a", "b", "c"):
+        _enqueue(store, key, 5)
+    report = _relay(store, kafka).drain()
+    assert report.delivered == 15
+    for key in ("a", "b", "c"):
+        sent = [m for m in kafka.messages("t") if m.key == key.encode()]
+        ids = [e.event_id for e in store.events(key)]
+        assert [dict(m.headers)["ce_id"].decode() for m in sent] == ids
+    assert {e.status for e in store.events()} == {EventStatus.DELIVERED}
+    assert store.remaining().pending == 0
+
+
+def test_an_invalid_event_behind_one_that_fails_gets_no_dead_letter_copy() -> None:
+    """Key k: event 1 times out, event 2 is invalid. Event 2 is not discarded in this
+    batch (its key is held at event 1), so no copy of it may be made."""
+    store = InMemoryStore()
+    kafka = StubPublisher(
+        lambda m: Verdict.DELIVERED if m.topic == "dlq" else (Verdict.RETRIABLE, "TIMED_OUT: x")
+    )
+    _enqueue(store, "k", 1)
+    store.append("k", "t", b"not an envelope")
+    report = _relay(store, kafka, dead_letter_topic="dlq").drain()
+    assert (report.retried, report.discarded) == (1, 0)
+    assert [m.topic for send in kafka.sends for m in send] == ["t"]
+
+
+def test_an_invalid_event_behind_delivered_ones_is_copied_after_the_send() -> None:
+    store, kafka = InMemoryStore(), StubPublisher()
+    _enqueue(store, "k", 1)
+    store.append("k", "t", b"not an envelope")
+    relay = _relay(store, kafka, dead_letter_topic="dlq")
+    relay.drain()
+    assert [e.status for e in store.events("k")] == ["delivered", "discarded"]
+    assert [[m.topic for m in send] for send in kafka.sends] == [["t"], ["dlq"]]
+    copy = kafka.messages("dlq")[0]
+    assert dict(copy.headers)["outbox_original_topic"] == b"t"
+    assert dict(copy.headers)["outbox_error"].startswith(b"INVALID_ENVELOPE: envelope is not JSON")
+
+
+def test_a_key_whose_first_event_is_invalid_has_its_copy_sent_with_the_batch() -> None:
+    store, kafka = InMemoryStore(), StubPublisher()
+    store.append("a", "t", b"not an envelope")
+    _enqueue(store, "b", 1)
+    _relay(store, kafka, dead_letter_topic="dlq").drain()
+    assert [e.status for e in store.events()] == ["discarded", "delivered"]
+    assert [sorted(m.topic for m in send) for send in kafka.sends] == [["dlq", "t"]]
+
+
+def test_with_park_the_key_stops_at_its_discarded_event_until_unparked() -> None:
+    store, kafka = InMemoryStore(), StubPublisher()
+    store.append("k", "t", b"not an envelope")
+    _enqueue(store, "k", 2)
+    _relay(store, kafka, on_exhausted="park").drain()
+    assert [e.status for e in store.events("k")] == ["discarded", "pending", "pending"]
+    assert store.parked_keys() == ["k"] and kafka.messages() == []
+    assert store.remaining().parked == 2
+
+
+@pytest.mark.parametrize("verdict", [Verdict.RETRIABLE, Verdict.PERMANENT])
+def test_a_topic_the_broker_refuses_holds_only_its_own_keys(verdict: Verdict) -> None:
+    store = InMemoryStore()
+    kafka = StubPublisher(topic_problems={"bad": (verdict, "TOPIC_AUTHORIZATION_FAILED: no")})
+    _enqueue(store, "a", 2, topic="bad")
+    _enqueue(store, "b", 2)
+    report = _relay(store, kafka).drain()
+    assert [m.key for m in kafka.messages()] == [b"b", b"b"]
+    expected = ["pending", "pending"] if verdict == Verdict.RETRIABLE else ["discarded"] * 2
+    assert [e.status for e in store.events("a")] == expected
+    assert report.delivered == 2
+
+
+def test_the_stub_publisher_records_messages_as_the_relay_sends_them() -> None:
+    kafka = StubPublisher()
+    message = Message("t", b"k", b"v", [("h", b"1")])
+    (delivery,) = kafka.send([message], timeout=1.0)
+    assert (delivery.verdict, delivery.offset) == (Verdict.DELIVERED, 0)
+    assert kafka.messages("t") == [message] and kafka.sends == [[message]]
+
+
+def test_the_architecture_page_example_runs() -> None:
+    """The example in docs/architecture.md runs as written."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    example = page.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/architecture.md", "exec"), {})
