@@ -7,7 +7,8 @@ sequence numbers, leases fenced by a claim token, retries, parking);
 messages an application's events become, exactly as the relay would send them::
 
     store, kafka = InMemoryStore(), StubPublisher()
-    store.enqueue(outbox, Event(type="order.created", key="o-1", topic="orders", data={...}))
+    outbox = store.outbox(source="/orders")     # an Outbox that writes into the store
+    place_order(session, outbox)                # the code under test calls outbox.enqueue
     Relay(settings, store=store, publisher=kafka).drain()
     assert [m.key for m in kafka.messages("orders")] == [b"o-1"]
 
@@ -23,7 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox_kafka.errors import DuplicateEventId
+from outbox_kafka.naming import TableNames
+from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.outbox import Event, Outbox
+from outbox_kafka.producer.writing import Connectable, OutboxWriter
 from outbox_kafka.relay.batches import (
     Claim,
     ClaimedEvent,
@@ -82,22 +87,42 @@ class InMemoryStore:
 
     # Writing events --------------------------------------------------------------
 
+    def outbox(self, **options: Any) -> Outbox:
+        """An :class:`~outbox_kafka.Outbox` (same options) that writes into this store.
+
+        Code under test calls ``enqueue``/``enqueue_many`` on it as on a real outbox,
+        with every validation; the connection it passes is not used (there is no
+        transaction: an event is stored when the call returns).
+        """
+        outbox = Outbox(**options)
+        outbox._writer = _MemoryWriter(outbox.names, self)
+        return outbox
+
     def enqueue(self, outbox: Outbox, event: Event | Mapping[str, Any]) -> uuid.UUID:
         """Validate and encode ``event`` with ``outbox`` (as ``enqueue`` would) and store it."""
         encoded = outbox.encode(event if isinstance(event, Event) else Event(**event))
-        delay = encoded.delay_seconds or 0.0
-        if encoded.available_at is not None:
-            delay = max(delay, encoded.available_at.timestamp() - time.time())
-        self.append(
-            encoded.key,
-            encoded.topic,
-            encoded.value,
-            encoded.headers,
-            event_type=encoded.type,
-            event_id=str(encoded.event_id),
-            delay=delay,
-        )
+        self.store_encoded([encoded])
         return encoded.event_id
+
+    def store_encoded(self, encoded: Sequence[EncodedEvent]) -> None:
+        """Store events as the producer encoded them; all or none (duplicate ids refused)."""
+        known = {e.event_id for e in self.events()}
+        ids = [str(e.event_id) for e in encoded]
+        if len(set(ids)) < len(ids) or known.intersection(ids):
+            raise DuplicateEventId("event_id", "an event with this id is already in the outbox")
+        for event in encoded:
+            delay = event.delay_seconds or 0.0
+            if event.available_at is not None:
+                delay = max(delay, event.available_at.timestamp() - time.time())
+            self.append(
+                event.key,
+                event.topic,
+                event.value,
+                event.headers,
+                event_type=event.type,
+                event_id=str(event.event_id),
+                delay=delay,
+            )
 
     def append(
         self,
@@ -276,6 +301,20 @@ class InMemoryStore:
     def _owns(self, key: str, token: uuid.UUID) -> bool:
         state = self._keys.get(key)
         return state is not None and state.token == token
+
+
+class _MemoryWriter(OutboxWriter):
+    """An outbox's writer that stores into an :class:`InMemoryStore`."""
+
+    def __init__(self, names: TableNames, store: InMemoryStore) -> None:
+        super().__init__(names, notify=False)
+        self._store = store
+
+    def write(
+        self, conn: Connectable, encoded: list[EncodedEvent], chosen_ids: bool
+    ) -> list[uuid.UUID]:
+        self._store.store_encoded(encoded)
+        return [e.event_id for e in encoded]
 
 
 #: How a :class:`StubPublisher` answers one message: a verdict, or (verdict, error).

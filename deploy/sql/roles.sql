@@ -32,7 +32,7 @@ GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"producer_role";
 
 -- name: grant_relay
 -- The relay reads pending events and records their outcome (claim,
--- finish_batch), deletes old ones (purge_delivered, purge_discarded), and
+-- record_batch), deletes old ones (purge_delivered, purge_discarded), and
 -- reads the queue and the counters (claim, backlog sampler). It never inserts
 -- an event. LISTEN needs no grant.
 GRANT SELECT, DELETE ON :"schema".:"table" TO :"relay_role";
@@ -47,7 +47,7 @@ GRANT SELECT, INSERT (ordering_key, next_seq, due_at), DELETE
 GRANT UPDATE (next_seq, due_at, claim_token, lease_expires_at, parked_at)
     ON :"schema".:"keys_table" TO :"relay_role";
 GRANT SELECT, DELETE, UPDATE (due_at) ON :"schema".:"arrivals_table" TO :"relay_role";
--- finish_batch locks a key's counter (SELECT ... FOR UPDATE) while it decides
+-- record_batch locks a key's counter (SELECT ... FOR UPDATE) while it decides
 -- whether the key may leave the queue; PostgreSQL asks UPDATE privilege on one
 -- column for that lock. The relay never changes a counter; its retention
 -- deletes the counters of keys it left with nothing (forget_idle_counters).

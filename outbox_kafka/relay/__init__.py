@@ -5,6 +5,7 @@ records what Kafka acknowledged. Start it with ``outbox-kafka relay`` or
 from __future__ import annotations
 
 from outbox_kafka.relay.loop import Relay
+from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.reports import CycleReport, DrainResult
 
-__all__ = ["CycleReport", "DrainResult", "Relay"]
+__all__ = ["CycleReport", "DrainResult", "Relay", "RelayMetrics"]

@@ -26,8 +26,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +34,9 @@ from prometheus_client.exposition import choose_encoder
 
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.relay.health import HealthChecks, HealthStatus
+from outbox_kafka.relay.http_limits import DeadlineReader, HttpLimits, TimedWriter
 
 if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer, WriteableBuffer
-
     from outbox_kafka.relay.loop import Relay
 
 log = logging.getLogger("outbox_kafka.http")
@@ -63,111 +60,6 @@ _BUSY_RESPONSE = (
 _REFUSAL_LOG_INTERVAL = 60.0
 
 
-@dataclass(frozen=True)
-class HttpLimits:
-    """How long a connection may take and how many are served at once.
-
-    ``idle_timeout``: seconds a connection may stay silent before a request
-    starts (a new connection, or a keep-alive one between requests).
-    ``request_timeout``: seconds from a request's first byte to the end of its
-    headers, so a request sent in dribs is cut off too. ``write_timeout``:
-    seconds each write of an answer may take (a client that stops reading is
-    dropped). ``max_connections``: connections served at once; more are
-    answered 503 and closed at once.
-    """
-
-    #: Above the shipped Prometheus scrape interval (5 s), so a scraper keeps
-    #: one connection instead of racing the server's close at every scrape.
-    idle_timeout: float = 10.0
-    request_timeout: float = 5.0
-    write_timeout: float = 10.0
-    max_connections: int = 16
-
-    def __post_init__(self) -> None:
-        for name in ("idle_timeout", "request_timeout", "write_timeout"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ConfigurationError(f"HTTP {name} must be above 0 seconds, got {value}")
-        if self.max_connections < 1:
-            raise ConfigurationError(
-                f"HTTP max_connections must be at least 1, got {self.max_connections}"
-            )
-
-
-class _DeadlineReader(io.RawIOBase):
-    """Reads a socket within a deadline rather than a per-read timeout.
-
-    :meth:`expect_request` gives the next request ``idle_timeout`` seconds to
-    begin; its first byte moves the deadline to ``request_timeout`` from then.
-    A read past the deadline raises :class:`TimeoutError`, which the request
-    handler treats as "close this connection".
-    """
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        limits: HttpLimits,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__()
-        self._sock = sock
-        self._limits = limits
-        self._clock = clock
-        self._deadline = clock() + limits.idle_timeout
-        self._started = False
-
-    def expect_request(self) -> None:
-        """Start waiting for a new request: ``idle_timeout`` from now until its first byte."""
-        self._deadline = self._clock() + self._limits.idle_timeout
-        self._started = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: WriteableBuffer) -> int:
-        remaining = self._deadline - self._clock()
-        if remaining <= 0:
-            raise TimeoutError(self._overdue())
-        self._sock.settimeout(remaining)
-        try:
-            count = self._sock.recv_into(buffer)
-        except TimeoutError:
-            raise TimeoutError(self._overdue()) from None
-        if count and not self._started:
-            self._started = True
-            self._deadline = self._clock() + self._limits.request_timeout
-        return count
-
-    def _overdue(self) -> str:
-        if self._started:
-            return f"request not complete within {self._limits.request_timeout:g} s"
-        return f"no request within {self._limits.idle_timeout:g} s"
-
-
-class _TimedWriter(io.BufferedIOBase):
-    """Writes to a socket, each write bounded by ``timeout`` seconds in total."""
-
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
-        super().__init__()
-        self._sock = sock
-        self._timeout = timeout
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: ReadableBuffer) -> int:
-        view = memoryview(data)
-        self._sock.settimeout(self._timeout)
-        try:
-            self._sock.sendall(view)
-        except TimeoutError:
-            raise TimeoutError(f"answer not sent within {self._timeout:g} s") from None
-        return view.nbytes
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
@@ -180,9 +72,9 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         """Wrap the connection in a deadline-bound reader and a time-bound writer."""
         self.connection = self.request
-        self._reader = _DeadlineReader(self.connection, self.server.limits)
+        self._reader = DeadlineReader(self.connection, self.server.limits)
         self.rfile = io.BufferedReader(self._reader)
-        self.wfile = _TimedWriter(self.connection, self.server.limits.write_timeout)
+        self.wfile = TimedWriter(self.connection, self.server.limits.write_timeout)
 
     def handle_one_request(self) -> None:
         self._reader.expect_request()

@@ -62,6 +62,8 @@ class Retry:
     event: ClaimedEvent
     attempt: int
     error: str | None
+    #: The event itself is to be discarded, but its dead-letter copy failed (``error``).
+    copy_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class OrderViolation:
     later: ClaimedEvent
 
 
+Decision = Retry | Discard | OrderViolation
+
+
 @dataclass
 class Settlement:
     """One key's decisions after its batch."""
@@ -91,11 +96,25 @@ class Settlement:
     key: KeyOutcome
     events: list[EventOutcome] = field(default_factory=list)
     delivered: list[ClaimedEvent] = field(default_factory=list)
-    retries: list[Retry] = field(default_factory=list)
-    discards: list[Discard] = field(default_factory=list)
-    #: Retries held back by a dead-letter copy that failed (their copy's verdict and error).
-    copy_retries: list[Retry] = field(default_factory=list)
-    order_violations: list[OrderViolation] = field(default_factory=list)
+    #: Retries, discards and order violations, in the key's sequence order.
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def retries(self) -> list[Retry]:
+        return [d for d in self.decisions if isinstance(d, Retry) and not d.copy_failed]
+
+    @property
+    def copy_retries(self) -> list[Retry]:
+        """Retries held back by a dead-letter copy that failed (with the copy's error)."""
+        return [d for d in self.decisions if isinstance(d, Retry) and d.copy_failed]
+
+    @property
+    def discards(self) -> list[Discard]:
+        return [d for d in self.decisions if isinstance(d, Discard)]
+
+    @property
+    def order_violations(self) -> list[OrderViolation]:
+        return [d for d in self.decisions if isinstance(d, OrderViolation)]
 
 
 @dataclass
@@ -142,6 +161,7 @@ class RetryPolicy:
         per_key_limit: int,
         *,
         copy_unknown: Problem | tuple[Verdict, None] = COPY_NOT_SENT,
+        rehearsal: bool = False,
     ) -> Settlement:
         """Walk one key's events in sequence order and decide what happens next.
 
@@ -150,7 +170,8 @@ class RetryPolicy:
         retriably holds the key: it is retried after a backoff and nothing
         after it is sent until it succeeds or is discarded. A discarded event
         whose dead-letter copy failed retriably is kept and retried too.
-        ``copy_unknown`` is the verdict of a copy the batch has no answer for.
+        ``copy_unknown`` is the verdict of a copy the batch has no answer for; a
+        ``rehearsal`` draws no backoff (its delays are 0).
         """
         next_seq = due[-1].seq + 1
         delay = 0.0
@@ -165,7 +186,7 @@ class RetryPolicy:
             if verdict == Verdict.DELIVERED:
                 delivery = results.deliveries[id(event)]
                 if held_back is not None:
-                    settled.order_violations.append(OrderViolation(held_back, event))
+                    settled.decisions.append(OrderViolation(held_back, event))
                 out.append(
                     EventOutcome(
                         event.event_id,
@@ -191,19 +212,19 @@ class RetryPolicy:
                 continue
             attempt = event.attempts + 1
             if not self.gives_up(event, verdict):
-                settled.retries.append(Retry(event, attempt, error))
+                settled.decisions.append(Retry(event, attempt, error))
                 held_back = held_back or event
                 blocked, next_seq = True, event.seq
-                delay = self._retry_later(event, error, out)
+                delay = self._retry_later(event, error, out, rehearsal)
                 continue
             reason = self.discard_reason(event, verdict, error)
             copy_verdict, copy_error = results.copies.get(id(event), copy_unknown)
             if copy_verdict == Verdict.RETRIABLE:
                 # The dead-letter copy did not make it yet: keep the event, retry later.
-                settled.copy_retries.append(Retry(event, attempt, copy_error))
+                settled.decisions.append(Retry(event, attempt, copy_error, copy_failed=True))
                 held_back = held_back or event
                 blocked, next_seq = True, event.seq
-                delay = self._retry_later(event, copy_error, out)
+                delay = self._retry_later(event, copy_error, out, rehearsal)
                 continue
             failed = None if copy_verdict == Verdict.DELIVERED else (copy_verdict, copy_error)
             if copy_verdict == Verdict.PERMANENT:
@@ -215,7 +236,7 @@ class RetryPolicy:
                     event.event_id, key.key, EventStatus.DISCARDED, 1, 0.0, None, None, reason
                 )
             )
-            settled.discards.append(Discard(event, attempt, reason, error, failed))
+            settled.decisions.append(Discard(event, attempt, reason, error, failed))
             if self.park:
                 held_back = held_back or event
                 blocked = parked = True
@@ -240,15 +261,20 @@ class RetryPolicy:
         the key at its event, so a later one may have been copied in vain: copies are
         at least once."""
         assumed = self.settle(
-            key, due, results, per_key_limit, copy_unknown=(Verdict.DELIVERED, None)
+            key,
+            due,
+            results,
+            per_key_limit,
+            copy_unknown=(Verdict.DELIVERED, None),
+            rehearsal=True,
         )
         return assumed.discards
 
     def _retry_later(
-        self, event: ClaimedEvent, error: str | None, out: list[EventOutcome]
+        self, event: ClaimedEvent, error: str | None, out: list[EventOutcome], rehearsal: bool
     ) -> float:
         """Record one more failed attempt and return the backoff before the next."""
-        backoff = self.backoff(event.attempts + 1)
+        backoff = 0.0 if rehearsal else self.backoff(event.attempts + 1)
         out.append(
             EventOutcome(
                 event.event_id, event.key, EventStatus.PENDING, 1, backoff, None, None, error

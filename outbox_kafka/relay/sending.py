@@ -19,7 +19,14 @@ from outbox_kafka.relay.batches import Claim, ClaimedEvent, EventOutcome, KeyOut
 from outbox_kafka.relay.boundaries import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.planning import dead_letter_messages, note_copies, plan_batch
-from outbox_kafka.relay.policy import RetryPolicy, Settlement, error_label
+from outbox_kafka.relay.policy import (
+    Discard,
+    OrderViolation,
+    Retry,
+    RetryPolicy,
+    Settlement,
+    error_label,
+)
 from outbox_kafka.relay.verdicts import Problem
 
 log = logging.getLogger("outbox_kafka.relay")
@@ -114,46 +121,50 @@ class BatchSender:
         return self.publisher.send(messages, timeout=self._send_timeout, abort=self._abort)
 
     def _act_on(self, settled: Settlement) -> None:
-        """Log and count one key's decisions."""
-        for violation in settled.order_violations:
-            later = violation.later
-            self.metrics.order_violations.labels(topic=later.topic).inc()
-            log.error(
-                "a later event of a key reached Kafka while an earlier one did not",
-                extra={
-                    "action": "order_violation",
-                    "key": later.key,
-                    "event_id": later.event_id,
-                    "earlier_event_id": violation.earlier.event_id,
-                    "topic": later.topic,
-                },
-            )
-        for retry in settled.retries:
-            self.metrics.retried.labels(
-                topic=retry.event.topic, reason=error_label(retry.error)
-            ).inc()
-            log.warning(
-                "send failed, will retry",
-                extra=event_fields(retry.event, "retry", retry.attempt, retry.error),
-            )
-        for retry in settled.copy_retries:
-            self._copy_failed(retry.event, retry.attempt, retry.error)
-        for discard in settled.discards:
-            if discard.copy_failed is not None:
-                self._copy_failed(discard.event, discard.attempt, discard.copy_failed[1])
-            self.metrics.discarded.labels(
-                topic=discard.event.topic, reason=error_label(discard.error)
-            ).inc()
-            log.error(
-                "event discarded",
-                extra=event_fields(
-                    discard.event,
-                    "discard",
-                    discard.attempt,
-                    discard.reason,
-                    parked=self.policy.park,
-                ),
-            )
+        """Log and count one key's decisions, in its sequence order."""
+        for decision in settled.decisions:
+            if isinstance(decision, OrderViolation):
+                self._order_violated(decision)
+            elif isinstance(decision, Retry) and decision.copy_failed:
+                self._copy_failed(decision.event, decision.attempt, decision.error)
+            elif isinstance(decision, Retry):
+                event = decision.event
+                self.metrics.retried.labels(
+                    topic=event.topic, reason=error_label(decision.error)
+                ).inc()
+                log.warning(
+                    "send failed, will retry",
+                    extra=event_fields(event, "retry", decision.attempt, decision.error),
+                )
+            else:
+                self._discarded(decision)
+
+    def _discarded(self, discard: Discard) -> None:
+        if discard.copy_failed is not None:
+            self._copy_failed(discard.event, discard.attempt, discard.copy_failed[1])
+        self.metrics.discarded.labels(
+            topic=discard.event.topic, reason=error_label(discard.error)
+        ).inc()
+        log.error(
+            "event discarded",
+            extra=event_fields(
+                discard.event, "discard", discard.attempt, discard.reason, parked=self.policy.park
+            ),
+        )
+
+    def _order_violated(self, violation: OrderViolation) -> None:
+        later = violation.later
+        self.metrics.order_violations.labels(topic=later.topic).inc()
+        log.error(
+            "a later event of a key reached Kafka while an earlier one did not",
+            extra={
+                "action": "order_violation",
+                "key": later.key,
+                "event_id": later.event_id,
+                "earlier_event_id": violation.earlier.event_id,
+                "topic": later.topic,
+            },
+        )
 
     def _copy_failed(self, event: ClaimedEvent, attempt: int, error: str | None) -> None:
         log.error(

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from outbox_kafka import ConfigurationError
 from outbox_kafka.relay.health import FailureLog, HealthChecks, default_max_cycle_age
-from outbox_kafka.relay.http_server import HttpLimits, ObservabilityServer
+from outbox_kafka.relay.http_limits import HttpLimits
+from outbox_kafka.relay.http_server import ObservabilityServer
 from outbox_kafka.relay.settings import RelaySettings
 from tests.support import LogRecords
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox_kafka import Event, Outbox
+from outbox_kafka import DuplicateEventId, Event, InvalidKey, Outbox
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey
 from outbox_kafka.relay.boundaries import Delivery, Message
@@ -257,3 +257,32 @@ def test_the_architecture_page_example_runs() -> None:
     page = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
     example = page.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "docs/architecture.md", "exec"), {})
+
+
+def test_an_outbox_of_the_in_memory_store_validates_and_stores_as_enqueue_does() -> None:
+    store, kafka = InMemoryStore(), StubPublisher()
+    outbox = store.outbox(source="/orders")
+
+    def place_order(session: object, order_id: int) -> None:  # code under test
+        outbox.enqueue(session, type="order.created", key=f"o-{order_id}", topic="o", data={})
+        outbox.enqueue_many(
+            session, [{"type": "order.paid", "key": f"o-{order_id}", "topic": "o", "data": 1}]
+        )
+
+    with pytest.raises(InvalidKey):
+        outbox.enqueue(None, type="order.created", key="", topic="o", data={})
+    place_order(None, 1)
+    first = store.events()[0]
+    with pytest.raises(DuplicateEventId):
+        outbox.enqueue(
+            None, type="x.y", key="k", topic="o", data={}, event_id=uuid.UUID(first.event_id)
+        )
+    assert [(e.key, e.seq, e.type) for e in store.events()] == [
+        ("o-1", 1, "order.created"),
+        ("o-1", 2, "order.paid"),
+    ]
+    _relay(store, kafka).drain()
+    assert [dict(m.headers)["ce_type"] for m in kafka.messages()] == [
+        b"order.created",
+        b"order.paid",
+    ]
