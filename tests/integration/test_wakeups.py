@@ -147,7 +147,8 @@ def test_a_relay_going_idle_waits_for_writers_that_did_not_notify(
 def test_one_relay_holds_the_wake_lock_and_the_others_hear_its_wake_ups(
     engine: sa.Engine, database_url: str
 ) -> None:
-    first, second = Store(database_url, TableNames()), Store(database_url, TableNames())
+    stores = [Store(database_url, TableNames()) for _ in range(2)]
+    first, second = (store.wakeups() for store in stores)
     try:
         assert first.announce_idle(1) is True
         assert second.announce_idle(0.1) is False
@@ -160,8 +161,8 @@ def test_one_relay_holds_the_wake_lock_and_the_others_hear_its_wake_ups(
         assert second.another_relay_idle() is False
         assert second.announce_idle(1) is True
     finally:
-        first.close()
-        second.close()
+        for closing in (first, second, *stores):
+            closing.close()
 
 
 def test_an_idle_relay_wakes_on_a_commit_long_before_its_poll_interval(
