@@ -42,7 +42,7 @@ from outbox_kafka.relay.reports import Remaining
 from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
 from outbox_kafka.relay.wakeups import Wakeups
 
-__all__ = ["InMemoryStore", "StoredEvent", "StubPublisher"]
+__all__ = ["InMemoryStore", "StoredEvent", "StubPublisher", "Verdict"]
 
 
 @dataclass
@@ -232,7 +232,7 @@ class InMemoryStore:
             if key.key not in owned:
                 continue
             state = self._keys[key.key]
-            state.token = None
+            state.token, state.lease_until = None, 0.0
             state.next_seq = key.next_seq
             state.due_at = now + key.delay
             state.parked = key.park

@@ -118,7 +118,7 @@ def add_check_parser(sub: Any) -> None:
         "--violation-limit",
         type=int,
         default=100,
-        help="with --consistency: violations listed per check",
+        help="with --consistency: violations listed per check (default: 100)",
     )
     add_output_flags(p)
     p.set_defaults(handler=_cmd_check)

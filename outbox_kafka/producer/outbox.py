@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection
 
-from outbox_kafka.errors import ConfigurationError, EventError
+from outbox_kafka.errors import ConfigurationError, DuplicateEventId, EventError
 from outbox_kafka.limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.checks import HeadersInput, check_attribute, check_topic
@@ -185,11 +185,29 @@ class Outbox:
             encoded = [self._encoder.encode(batch[0])]
         else:
             encoded = [self.encode(e, index=i) for i, e in enumerate(batch)]
-        return self._writer.write(conn, encoded, any(e.event_id is not None for e in batch))
+        chosen_ids = any(e.event_id is not None for e in batch)
+        if chosen_ids:
+            _refuse_repeated_ids(batch)
+        return self._writer.write(conn, encoded, chosen_ids)
 
     def _functions(self, connection: Connection) -> EnqueueFunctions:
         """Which enqueue functions this session may call: :meth:`OutboxWriter.functions`."""
         return self._writer.functions(connection)
+
+
+def _refuse_repeated_ids(batch: list[Event]) -> None:
+    """Refuse a batch that gives one event id twice (the ids are checked UUIDs by now)."""
+    first_index: dict[object, int] = {}
+    for index, event in enumerate(batch):
+        if event.event_id is None:
+            continue
+        first = first_index.setdefault(event.event_id, index)
+        if first != index:
+            raise DuplicateEventId(
+                "event_id",
+                f"{event.event_id} is given twice in the batch (also event {first})",
+                index=index,
+            )
 
 
 def _routes(routes: Mapping[str, str] | Iterable[Route] | None) -> list[Route]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import uuid
 from typing import Any, cast
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 import outbox_kafka.errors as errors
 from outbox_kafka import (
     DataSchemaViolation,
+    DuplicateEventId,
     Event,
     EventError,
     InvalidKey,
@@ -127,6 +129,22 @@ def test_schema_is_checked_on_the_encoded_json(outbox: Outbox) -> None:
     """A tuple is sent as a JSON array, so it satisfies an array schema."""
     data = {**ORDER_CREATED, "items": (ORDER_CREATED["items"][0],)}
     assert outbox.encode(Event(**valid_event(data=data))).envelope["type"] == "order.created"
+
+
+def test_a_batch_giving_one_event_id_twice_is_refused_naming_both_before_any_write(
+    outbox: Outbox,
+) -> None:
+    twice = uuid.uuid4()
+    events = [Event(**valid_event(key=f"k{i}")) for i in range(4)]
+    events[1] = Event(**valid_event(key="k1", event_id=twice))
+    events[3] = Event(**valid_event(key="k3", event_id=twice))
+    with pytest.raises(DuplicateEventId) as excinfo:
+        outbox.enqueue_many(cast(Any, object()), events)  # refused before the connection
+    assert excinfo.value.index == 3
+    assert (
+        str(excinfo.value)
+        == f"event 3: event_id: {twice} is given twice in the batch (also event 1)"
+    )
 
 
 def test_batch_error_names_the_event_index(outbox: Outbox) -> None:

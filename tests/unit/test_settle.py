@@ -286,3 +286,14 @@ def test_an_outbox_of_the_in_memory_store_validates_and_stores_as_enqueue_does()
         b"order.created",
         b"order.paid",
     ]
+
+
+def test_drain_all_on_the_fakes_waits_for_a_retry_and_ends_complete() -> None:
+    answers = iter([(Verdict.RETRIABLE, "REQUEST_TIMED_OUT: slow")])
+    store = InMemoryStore()
+    kafka = StubPublisher(lambda message: next(answers, Verdict.DELIVERED))
+    _enqueue(store, "k", 1)
+    result = _relay(store, kafka, backoff_base=0.2, backoff_cap=0.2).drain_all(timeout=10)
+    assert result.complete, result.summary()
+    assert (result.report.retried, result.report.delivered) == (1, 1)
+    assert [e.attempts for e in store.events("k")] == [1]
