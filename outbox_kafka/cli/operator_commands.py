@@ -74,10 +74,20 @@ def _add_selectors(p: argparse.ArgumentParser, everything: str) -> None:
     g.add_argument("--event-id", action="append", default=[], metavar="UUID", help="repeatable")
     g.add_argument("--key", action="append", default=[], help="ordering key, repeatable")
     g.add_argument(
-        "--type", action="append", default=[], dest="types", metavar="TYPE", help="event type, repeatable"
+        "--type",
+        action="append",
+        default=[],
+        dest="types",
+        metavar="TYPE",
+        help="event type, repeatable",
     )
     g.add_argument(
-        "--topic", action="append", default=[], dest="topics", metavar="TOPIC", help="Kafka topic, repeatable"
+        "--topic",
+        action="append",
+        default=[],
+        dest="topics",
+        metavar="TOPIC",
+        help="Kafka topic, repeatable",
     )
     g.add_argument("--since", type=_iso_time, metavar="TIME", help="created at or after TIME")
     g.add_argument("--until", type=_iso_time, metavar="TIME", help="created before TIME")
