@@ -29,5 +29,6 @@ DEFAULT_MAX_CLAIM_BYTES = 32 * 1024 * 1024
 
 
 def enqueue_limit_for(message_max_bytes: int) -> int:
-    """The ``max_message_bytes`` producers should use with a relay's ``message.max.bytes``."""
-    return message_max_bytes - RECORD_FRAMING_BYTES
+    """The ``max_message_bytes`` producers should use with a relay's ``message.max.bytes``:
+    :data:`RECORD_FRAMING_BYTES` below it, or half of it for a limit under twice that."""
+    return message_max_bytes - min(RECORD_FRAMING_BYTES, message_max_bytes // 2)

@@ -125,6 +125,8 @@ def test_the_relays_message_size_limit_is_above_what_enqueue_accepts_by_default(
     ).producer_config()
     assert int(config["message.max.bytes"]) == KAFKA_MESSAGE_MAX_BYTES
     assert enqueue_limit_for(KAFKA_MESSAGE_MAX_BYTES) == DEFAULT_MAX_MESSAGE_BYTES
+    # A small limit leaves producers half of it, never a negative size.
+    assert (enqueue_limit_for(16384), enqueue_limit_for(1000)) == (8192, 500)
     assert Outbox(allow_unknown_types=True).limits == (
         DEFAULT_MAX_KEY_BYTES,
         DEFAULT_MAX_MESSAGE_BYTES,
