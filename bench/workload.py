@@ -1,7 +1,7 @@
 """The events the relay benches write: ``order.paid`` payloads of a chosen size, keys.
 
 A payload of ``size`` bytes is an ``order.paid`` object whose compact JSON
-(as :func:`outbox_kafka.producer.envelope.encode_data` writes it) is exactly ``size``
+(as :class:`outbox_kafka.producer.data.DataEncoder` writes it) is exactly ``size``
 bytes long; the padding goes into ``payment_id``, so every payload still
 validates against ``schemas/events/order.paid.json``.
 """

@@ -36,7 +36,11 @@ HeadersInput = Mapping[str, HeaderValue] | Sequence[tuple[str, HeaderValue]]
 def check_key(key: object, max_bytes: int) -> bytes:
     """Return the ordering key as UTF-8 (the Kafka message key), or raise."""
     if not isinstance(key, str):
-        raise InvalidKey("key", f"must be a str, not {type(key).__name__}")
+        raise InvalidKey(
+            "key",
+            f"must be a str, not {type(key).__name__} (pass str(key), spelt the same way "
+            "every time: two spellings of one value are two keys, with no order between them)",
+        )
     if not key:
         raise InvalidKey("key", "must not be empty")
     if "\x00" in key:

@@ -23,7 +23,8 @@ from outbox_kafka.producer.checks import (
     check_traceparent,
     check_type,
 )
-from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, encode_data
+from outbox_kafka.producer.data import DataEncoder, JsonDefault
+from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate
 from outbox_kafka.producer.ids import uuid7
 from outbox_kafka.validation import CompiledSchema, EventSchemas, envelope_schema
 
@@ -72,7 +73,9 @@ class EventEncoder:
         allow_unknown_types: bool,
         max_key_bytes: int,
         max_message_bytes: int,
+        json_default: JsonDefault | None = None,
     ) -> None:
+        self._data = DataEncoder(json_default)
         #: The source of events that name none; checked by the caller.
         self.source = source
         self.routes = routes
@@ -145,7 +148,7 @@ class EventEncoder:
         delay = None if event.delay is None else check_delay(event.delay, available_at)
         own_headers = check_headers(event.headers)
 
-        data_json = encode_data(event.data)
+        data_json = self._data.encode(event.data)
         if kind.unknown and self.schemas is not None:
             raise UnknownEventType(
                 "type",

@@ -23,19 +23,6 @@ SPEC_VERSION = "1.0"
 DATA_CONTENT_TYPE = "application/json"
 
 #: One encoder for every payload: ``json.dumps`` with these options builds a new one per call.
-_DATA_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-
-
-def encode_data(data: Any) -> str:
-    """Serialise the payload as strict JSON (no NaN or Infinity), or raise."""
-    try:
-        return _DATA_ENCODER.encode(data)
-    except ValueError as exc:
-        raise InvalidData("data", f"is not strict JSON: {exc}") from exc
-    except (TypeError, RecursionError) as exc:
-        raise InvalidData("data", f"is not JSON-serializable: {exc}") from exc
-
-
 _json_string: Callable[[str], str] = json.encoder.encode_basestring
 _second_prefix: tuple[int, str] = (-1, "")
 

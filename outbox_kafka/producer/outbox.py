@@ -16,6 +16,7 @@ from outbox_kafka.errors import ConfigurationError, DuplicateEventId, EventError
 from outbox_kafka.limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.checks import HeadersInput, check_attribute, check_topic
+from outbox_kafka.producer.data import JsonDefault
 from outbox_kafka.producer.encoding import EventEncoder
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.metrics import counts_enqueue_failures, producer_metrics
@@ -71,6 +72,7 @@ class Outbox:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         notify: bool = True,
         registry: CollectorRegistry | None = None,
+        json_default: JsonDefault | None = None,
     ) -> None:
         if max_key_bytes < 1:
             raise ConfigurationError(f"max_key_bytes must be at least 1, got {max_key_bytes}")
@@ -92,6 +94,7 @@ class Outbox:
             allow_unknown_types=allow_unknown_types,
             max_key_bytes=max_key_bytes,
             max_message_bytes=max_message_bytes,
+            json_default=json_default,
         )
         self._writer = OutboxWriter(self._names, notify=notify)
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
