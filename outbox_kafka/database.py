@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import quote
 
 import psycopg2
+import psycopg2.extensions
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
@@ -23,13 +24,41 @@ _UNDEFINED_TABLE = "42P01"
 
 
 def normalise_url(url: str) -> str:
-    """Accept libpq-style URLs (``postgres://``, ``postgresql://``) for psycopg2."""
+    """The URL to connect with psycopg2, the driver the relay and the commands use.
+
+    Accepts libpq-style URLs (``postgres://``, ``postgresql://``) and any
+    ``postgresql+<driver>://`` URL an application already has (``+psycopg``,
+    ``+asyncpg``, ...): the driver is replaced by psycopg2, the rest is kept.
+    Query parameters must then be libpq's; another driver's (asyncpg's ``ssl``,
+    for one) is refused here, naming it, rather than at every connection attempt.
+    """
     if not url:
         raise ConfigurationError(NO_DATABASE_URL)
     for prefix in ("postgres://", "postgresql://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg2://" + url[len(prefix) :]
-    return url
+            url = "postgresql+psycopg2://" + url[len(prefix) :]
+            break
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise ConfigurationError(f"invalid database URL {redact_url(url)}: {exc}") from None
+    if parsed.get_backend_name() != "postgresql":
+        raise ConfigurationError(
+            f"not a PostgreSQL URL: {redact_url(url)} (expected postgresql://...)"
+        )
+    driver = parsed.get_driver_name()
+    for key in parsed.query:
+        try:
+            psycopg2.extensions.parse_dsn(f"{key}=x")
+        except psycopg2.ProgrammingError:
+            raise ConfigurationError(
+                f"database URL parameter {key!r} is not a libpq parameter: outbox-kafka "
+                f"connects with psycopg2 (libpq) whatever the URL's driver ({driver}); "
+                "use libpq's, e.g. sslmode=require"
+            ) from None
+    if driver == "psycopg2":
+        return url
+    return parsed.set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
 
 
 #: libpq parameters that hold secrets when given in the URL's query string.
@@ -39,7 +68,7 @@ _SECRET_QUERY_KEYS = frozenset({"password", "sslpassword"})
 def redact_url(url: str) -> str:
     """The URL with any password replaced by ``***``, safe for logs."""
     try:
-        parsed = make_url(normalise_url(url))
+        parsed = make_url(url.replace("postgres://", "postgresql://", 1))
     except (ArgumentError, ConfigurationError, ValueError):
         return "<unparseable database URL>"
     hidden = {k: "redacted" for k in parsed.query if k.lower() in _SECRET_QUERY_KEYS}
@@ -49,8 +78,8 @@ def redact_url(url: str) -> str:
 def url_secrets(url: str) -> list[str]:
     """The secrets a database URL holds (password, also percent-encoded), for log scrubbing."""
     try:
-        parsed: URL = make_url(normalise_url(url))
-    except (ArgumentError, ConfigurationError, ValueError):
+        parsed: URL = make_url(url.replace("postgres://", "postgresql://", 1))
+    except (ArgumentError, ValueError):
         return []
     values = [str(parsed.password)] if parsed.password else []
     for key, value in parsed.query.items():

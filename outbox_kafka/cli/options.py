@@ -77,7 +77,9 @@ def add_database_option(parser: argparse.ArgumentParser) -> None:
     add_option(
         parser,
         "--database-url",
-        help="PostgreSQL URL, e.g. postgresql://user:pass@host/db",
+        help="PostgreSQL URL, e.g. postgresql://user:pass@host/db; an application's "
+        "postgresql+<driver>:// URL (+psycopg, +asyncpg, ...) works too: every command "
+        "and the relay connect with psycopg2, so query parameters must be libpq's",
         secret=True,
     )
 

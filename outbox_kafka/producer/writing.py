@@ -15,14 +15,16 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from outbox_kafka.errors import DuplicateEventId, UnsafeConnection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.queries import Queries, pg_array, pg_int_array, pg_text_array, queries_for
 
-Connectable = Connection | Session
+#: What enqueue writes through: a Connection, a Session, or a ``scoped_session``
+#: (Flask-SQLAlchemy's ``db.session``), whose current session is used.
+Connectable = Connection | Session | scoped_session[Any]
 
 
 class EnqueueFunctions(NamedTuple):
@@ -133,13 +135,23 @@ class OutboxWriter:
 
 
 def _connection_of(conn: Connectable) -> Connection:
+    if isinstance(conn, scoped_session):
+        conn = conn()
     if isinstance(conn, Session):
         connection = conn.connection()
     elif isinstance(conn, Connection):
         connection = conn
+    elif type(conn).__module__.startswith("sqlalchemy.ext.asyncio"):
+        # By module: importing SQLAlchemy's asyncio extension needs greenlet.
+        raise UnsafeConnection(
+            f"{type(conn).__name__} given: enqueue takes a synchronous Connection or "
+            "Session; from async code, call it through run_sync, e.g. "
+            "await session.run_sync(lambda s: outbox.enqueue(s, ...))"
+        )
     else:
         raise UnsafeConnection(
-            f"expected a SQLAlchemy Connection or Session, got {type(conn).__name__}"
+            f"expected a SQLAlchemy Connection, Session or scoped_session, "
+            f"got {type(conn).__name__}"
         )
     level = connection.get_execution_options().get("isolation_level") or (
         connection.engine.get_execution_options().get("isolation_level")
