@@ -39,7 +39,9 @@ from outbox_kafka.producer.outbox import (
     configure,
     default_outbox,
     enqueue,
+    enqueue_async,
     enqueue_many,
+    enqueue_many_async,
 )
 
 __version__ = "0.1.0"
@@ -74,7 +76,9 @@ __all__ = [
     "configure",
     "default_outbox",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
+    "enqueue_many_async",
     "migrate",
     "migration_script",
 ]

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -101,6 +101,22 @@ def counts_enqueue_failures(
     def counted(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return method(self, *args, **kwargs)
+        except Exception as exc:
+            self.producer_metrics.enqueue_failed(exc)
+            raise
+
+    return counted
+
+
+def counts_async_enqueue_failures(
+    method: Callable[Concatenate[S, P], Awaitable[R]],
+) -> Callable[Concatenate[S, P], Awaitable[R]]:
+    """:func:`counts_enqueue_failures` for a coroutine method."""
+
+    @functools.wraps(method)
+    async def counted(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(self, *args, **kwargs)
         except Exception as exc:
             self.producer_metrics.enqueue_failed(exc)
             raise

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection
@@ -19,9 +19,16 @@ from outbox_kafka.producer.checks import HeadersInput, check_attribute, check_to
 from outbox_kafka.producer.data import JsonDefault
 from outbox_kafka.producer.encoding import EventEncoder
 from outbox_kafka.producer.envelope import EncodedEvent
-from outbox_kafka.producer.metrics import counts_enqueue_failures, producer_metrics
+from outbox_kafka.producer.metrics import (
+    counts_async_enqueue_failures,
+    counts_enqueue_failures,
+    producer_metrics,
+)
 from outbox_kafka.producer.writing import Connectable, EnqueueFunctions, OutboxWriter
 from outbox_kafka.validation import EventSchemas, load_event_schemas
+
+if TYPE_CHECKING:
+    from outbox_kafka.producer.writing import AsyncConnectable
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,45 @@ class Outbox:
         )
         return self._writer.write(conn, [self._encoder.encode(event)], event_id is not None)[0]
 
+    @counts_async_enqueue_failures
+    async def enqueue_async(
+        self,
+        conn: AsyncConnectable,
+        *,
+        type: str,
+        key: str,
+        data: Any,
+        topic: str | None = None,
+        headers: HeadersInput | None = None,
+        available_at: datetime | None = None,
+        event_id: uuid.UUID | None = None,
+        source: str | None = None,
+        subject: str | None = None,
+        traceparent: str | None = None,
+        delay: timedelta | None = None,
+    ) -> uuid.UUID:
+        """:meth:`enqueue` from async code, on an ``AsyncConnection`` or ``AsyncSession``.
+
+        The same checks, statements and guarantees as :meth:`enqueue`, in the
+        caller's transaction, on any async driver SQLAlchemy has (asyncpg,
+        psycopg). Validation and encoding run before the first await.
+        """
+        event = Event(
+            type=type,
+            key=key,
+            data=data,
+            topic=topic,
+            headers=headers,
+            available_at=available_at,
+            event_id=event_id,
+            source=source,
+            subject=subject,
+            traceparent=traceparent,
+            delay=delay,
+        )
+        encoded = [self._encoder.encode(event)]
+        return (await self._writer.write_async(conn, encoded, event_id is not None))[0]
+
     @counts_enqueue_failures
     def enqueue_many(
         self, conn: Connectable, events: Iterable[Event | Mapping[str, Any]]
@@ -179,11 +225,28 @@ class Outbox:
         Events of the same key keep their order within the batch. Every event
         is validated first: if any is bad, nothing is written.
         """
+        encoded, chosen_ids = self._encode_batch(events)
+        if not encoded:
+            return []
+        return self._writer.write(conn, encoded, chosen_ids)
+
+    @counts_async_enqueue_failures
+    async def enqueue_many_async(
+        self, conn: AsyncConnectable, events: Iterable[Event | Mapping[str, Any]]
+    ) -> list[uuid.UUID]:
+        """:meth:`enqueue_many` from async code: see :meth:`enqueue_async`."""
+        encoded, chosen_ids = self._encode_batch(events)
+        if not encoded:
+            return []
+        return await self._writer.write_async(conn, encoded, chosen_ids)
+
+    def _encode_batch(
+        self, events: Iterable[Event | Mapping[str, Any]]
+    ) -> tuple[list[EncodedEvent], bool]:
+        """Every event of a batch validated and encoded; whether the caller chose ids."""
         batch = [
             e if isinstance(e, Event) else _event_from_mapping(e, i) for i, e in enumerate(events)
         ]
-        if not batch:
-            return []
         if len(batch) == 1:
             encoded = [self._encoder.encode(batch[0])]
         else:
@@ -191,7 +254,7 @@ class Outbox:
         chosen_ids = any(e.event_id is not None for e in batch)
         if chosen_ids:
             _refuse_repeated_ids(batch)
-        return self._writer.write(conn, encoded, chosen_ids)
+        return encoded, chosen_ids
 
     def _functions(self, connection: Connection) -> EnqueueFunctions:
         """Which enqueue functions this session may call: :meth:`OutboxWriter.functions`."""
@@ -300,3 +363,42 @@ def enqueue(
 def enqueue_many(conn: Connectable, events: Iterable[Event | Mapping[str, Any]]) -> list[uuid.UUID]:
     """:meth:`Outbox.enqueue_many` on the default outbox."""
     return default_outbox().enqueue_many(conn, events)
+
+
+async def enqueue_async(
+    conn: AsyncConnectable,
+    *,
+    type: str,
+    key: str,
+    data: Any,
+    topic: str | None = None,
+    headers: HeadersInput | None = None,
+    available_at: datetime | None = None,
+    event_id: uuid.UUID | None = None,
+    source: str | None = None,
+    subject: str | None = None,
+    traceparent: str | None = None,
+    delay: timedelta | None = None,
+) -> uuid.UUID:
+    """:meth:`Outbox.enqueue_async` on the default outbox."""
+    return await default_outbox().enqueue_async(
+        conn,
+        type=type,
+        key=key,
+        data=data,
+        topic=topic,
+        headers=headers,
+        available_at=available_at,
+        event_id=event_id,
+        source=source,
+        subject=subject,
+        traceparent=traceparent,
+        delay=delay,
+    )
+
+
+async def enqueue_many_async(
+    conn: AsyncConnectable, events: Iterable[Event | Mapping[str, Any]]
+) -> list[uuid.UUID]:
+    """:meth:`Outbox.enqueue_many_async` on the default outbox."""
+    return await default_outbox().enqueue_many_async(conn, events)

@@ -11,7 +11,7 @@ import uuid
 import weakref
 from datetime import UTC, datetime
 from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
@@ -21,6 +21,16 @@ from outbox_kafka.errors import DuplicateEventId, UnsafeConnection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.queries import Queries, pg_array, pg_int_array, pg_text_array, queries_for
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+
+    #: What enqueue_async writes through: an AsyncConnection, an AsyncSession, or
+    #: an ``async_scoped_session``, on an async driver SQLAlchemy has (asyncpg,
+    #: psycopg). Defined for type checkers only: the asyncio extension needs greenlet.
+    AsyncConnectable: TypeAlias = AsyncConnection | AsyncSession | async_scoped_session[Any]
 
 #: What enqueue writes through: a Connection, a Session, or a ``scoped_session``
 #: (Flask-SQLAlchemy's ``db.session``), whose current session is used.
@@ -63,16 +73,11 @@ class OutboxWriter:
         question :meth:`functions` asks.
         """
         connection = _connection_of(conn)
-        functions = self.functions(connection)
-        if len(encoded) == 1 and functions.one:
-            name, params = "enqueue_one", _enqueue_one_params(encoded[0])
-        else:
-            name = "enqueue_many_call" if functions.many else "enqueue"
-            params = _enqueue_params(encoded)
-        params.update(self._wake)
+        psycopg2 = connection.dialect.driver == "psycopg2"
+        name, params = self.statement(encoded, self.functions(connection), literals=psycopg2)
 
         def execute() -> None:
-            if connection.dialect.driver == "psycopg2":
+            if psycopg2:
                 # Compiled once for the driver: SQLAlchemy's handling of a text()
                 # construct on every call costs more than encoding the event.
                 connection.exec_driver_sql(self._queries.driver_sql(name), params)
@@ -88,13 +93,59 @@ class OutboxWriter:
             with connection.begin_nested():
                 execute()
         except IntegrityError as exc:
-            diag = getattr(exc.orig, "diag", None)
-            if getattr(diag, "constraint_name", None) == f"{self._names.table}_pkey":
-                raise DuplicateEventId(
-                    "event_id", "an event with this id is already in the outbox"
-                ) from None
+            if self.is_duplicate_id(exc.orig):
+                raise duplicate_id_error() from None
             raise
         return [e.event_id for e in encoded]
+
+    async def write_async(
+        self, conn: AsyncConnectable, encoded: list[EncodedEvent], chosen_ids: bool
+    ) -> list[uuid.UUID]:
+        """:meth:`write` through an async connection: the same statements and checks.
+
+        The synchronous write runs on the async connection's own driver
+        connection (SQLAlchemy's ``run_sync``), so every guarantee of
+        :meth:`write` holds as is; no statement blocks the event loop.
+        """
+        connection = await _async_connection_of(conn)
+        return await connection.run_sync(self.write, encoded, chosen_ids)
+
+    def statement(
+        self, encoded: list[EncodedEvent], functions: EnqueueFunctions, *, literals: bool
+    ) -> tuple[str, dict[str, Any]]:
+        """The name of the statement that writes ``encoded``, and its parameters.
+
+        ``literals``: bind arrays as array literals (psycopg2's fast path; see
+        :func:`_enqueue_params`). For callers that execute on a driver's own
+        cursor, with :meth:`driver_sql`.
+        """
+        if len(encoded) == 1 and functions.one:
+            name, params = "enqueue_one", _enqueue_one_params(encoded[0])
+        else:
+            name = "enqueue_many_call" if functions.many else "enqueue"
+            params = _enqueue_params(encoded, literals=literals)
+        params.update(self._wake)
+        return name, params
+
+    def driver_sql(self, name: str) -> str:
+        """Statement ``name`` in the ``%(name)s`` parameter style of psycopg2 and psycopg."""
+        return self._queries.driver_sql(name)
+
+    def is_duplicate_id(self, driver_error: BaseException | None) -> bool:
+        """Whether a driver's unique violation is an event id already in the outbox.
+
+        psycopg2 and psycopg give the constraint in ``diag``; asyncpg, as an
+        attribute of the error that SQLAlchemy's adapter error was raised from.
+        """
+        wanted = f"{self._names.table}_pkey"
+        for error in (driver_error, getattr(driver_error, "__cause__", None)):
+            diag = getattr(error, "diag", None)
+            found = getattr(diag, "constraint_name", None) or getattr(
+                error, "constraint_name", None
+            )
+            if found is not None:
+                return bool(found == wanted)
+        return False
 
     def functions(self, connection: Connection) -> EnqueueFunctions:
         """Which enqueue functions this session may call (migrations 0003 and 0005).
@@ -134,6 +185,31 @@ class OutboxWriter:
         return found
 
 
+def duplicate_id_error() -> DuplicateEventId:
+    return DuplicateEventId("event_id", "an event with this id is already in the outbox")
+
+
+async def _async_connection_of(conn: object) -> AsyncConnection:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+
+    if isinstance(conn, async_scoped_session):
+        conn = conn()
+    if isinstance(conn, AsyncSession):
+        return await conn.connection()
+    if isinstance(conn, AsyncConnection):
+        return conn
+    if isinstance(conn, Connection | Session | scoped_session):
+        raise UnsafeConnection(
+            f"{type(conn).__name__} given: enqueue_async and enqueue_many_async take an "
+            "AsyncConnection or AsyncSession; with a synchronous Connection or Session, use "
+            "enqueue(...) or enqueue_many(...)"
+        )
+    raise UnsafeConnection(
+        f"expected a SQLAlchemy AsyncConnection, AsyncSession or async_scoped_session, "
+        f"got {type(conn).__name__}"
+    )
+
+
 def _connection_of(conn: Connectable) -> Connection:
     if isinstance(conn, scoped_session):
         conn = conn()
@@ -144,9 +220,9 @@ def _connection_of(conn: Connectable) -> Connection:
     elif type(conn).__module__.startswith("sqlalchemy.ext.asyncio"):
         # By module: importing SQLAlchemy's asyncio extension needs greenlet.
         raise UnsafeConnection(
-            f"{type(conn).__name__} given: enqueue takes a synchronous Connection or "
-            "Session; from async code, call it through run_sync, e.g. "
-            "await session.run_sync(lambda s: outbox.enqueue(s, ...))"
+            f"{type(conn).__name__} given: enqueue and enqueue_many take a synchronous "
+            "Connection or Session; with an AsyncConnection or AsyncSession, use "
+            "await enqueue_async(...) or await enqueue_many_async(...)"
         )
     else:
         raise UnsafeConnection(
@@ -166,8 +242,13 @@ def _connection_of(conn: Connectable) -> Connection:
     return connection
 
 
-def _enqueue_params(encoded: list[EncodedEvent]) -> dict[str, Any]:
-    """The ``enqueue`` statement's parameters: per event, and per distinct key."""
+def _enqueue_params(encoded: list[EncodedEvent], *, literals: bool) -> dict[str, Any]:
+    """The ``enqueue`` statement's parameters: per event, and per distinct key.
+
+    ``literals``: arrays as PostgreSQL array literals (one string each, for
+    psycopg2, see :func:`pg_array`); else as lists, which every driver binds
+    as arrays (asyncpg accepts nothing else), with times as datetimes.
+    """
     # Walking the batch backwards: how many later events of the same key each
     # event has, how many events each key has, and each key's first event.
     behind = [0] * len(encoded)
@@ -183,30 +264,50 @@ def _enqueue_params(encoded: list[EncodedEvent]) -> dict[str, Any]:
     deferred = any(e.delay_seconds is not None for e in encoded)
     values = [e.value for e in encoded]
     lengths = [len(v) for v in values]
-    # Keys and types hold no NUL (checked), nor do ids (hex digits and dashes)
-    # and topics (checked): the one-pass text arrays fit them all. The
-    # envelope's "id" is the id's text.
-    return {
-        "key_names": pg_text_array(list(per_key)),
-        "key_counts": pg_int_array(per_key.values()),
-        "key_available_ats": pg_array([_utc_text(first[k].available_at) for k in per_key])
-        if delayed
-        else None,
-        "key_delays": pg_array([first[k].delay_seconds for k in per_key]) if deferred else None,
-        "event_ids": pg_text_array([e.envelope["id"] for e in encoded]),
-        "ordering_keys": pg_text_array([e.key for e in encoded]),
-        "behind": pg_int_array(behind),
-        "topics": pg_text_array([e.topic for e in encoded]),
-        "types": pg_text_array([e.type for e in encoded]),
-        "event_values": b"".join(values),
-        "value_starts": pg_int_array(accumulate(lengths[:-1], initial=1)),
-        "value_lengths": pg_int_array(lengths),
-        "event_headers": "[" + ",".join([e.stored_headers for e in encoded]) + "]",
-        "available_ats": pg_array([_utc_text(e.available_at) for e in encoded])
-        if delayed
-        else None,
-        "delays": pg_array([e.delay_seconds for e in encoded]) if deferred else None,
+    starts = list(accumulate(lengths[:-1], initial=1))
+    key_times = [first[k].available_at for k in per_key] if delayed else None
+    event_times = [e.available_at for e in encoded] if delayed else None
+    key_delays = [first[k].delay_seconds for k in per_key] if deferred else None
+    event_delays = [e.delay_seconds for e in encoded] if deferred else None
+    # The envelope's "id" is the id's text.
+    texts = {
+        "key_names": list(per_key),
+        "event_ids": [e.envelope["id"] for e in encoded],
+        "ordering_keys": [e.key for e in encoded],
+        "topics": [e.topic for e in encoded],
+        "types": [e.type for e in encoded],
     }
+    integers = {
+        "key_counts": list(per_key.values()),
+        "behind": behind,
+        "value_starts": starts,
+        "value_lengths": lengths,
+    }
+    params: dict[str, Any] = {
+        "event_values": b"".join(values),
+        "event_headers": "[" + ",".join([e.stored_headers for e in encoded]) + "]",
+    }
+    if not literals:
+        params.update(texts)
+        params.update(integers)
+        params.update(
+            key_available_ats=key_times,
+            available_ats=event_times,
+            key_delays=key_delays,
+            delays=event_delays,
+        )
+        return params
+    # Keys and types hold no NUL (checked), nor do ids (hex digits and dashes)
+    # and topics (checked): the one-pass text arrays fit them all.
+    params.update({name: pg_text_array(v) for name, v in texts.items()})
+    params.update({name: pg_int_array(v) for name, v in integers.items()})
+    params.update(
+        key_available_ats=None if key_times is None else pg_array(list(map(_utc_text, key_times))),
+        available_ats=None if event_times is None else pg_array(list(map(_utc_text, event_times))),
+        key_delays=None if key_delays is None else pg_array(key_delays),
+        delays=None if event_delays is None else pg_array(event_delays),
+    )
+    return params
 
 
 def _utc_text(value: datetime | None) -> str | None:

@@ -65,10 +65,10 @@ def test_flask_sqlalchemy_db_session_commits_and_rolls_back_with_the_view(
         db.engine.dispose()
 
 
-def test_an_async_session_is_refused_with_the_way_to_call_from_async_code(
+def test_an_async_session_given_to_the_sync_api_is_refused_naming_the_async_one(
     outbox: Outbox,
 ) -> None:
     with pytest.raises(UnsafeConnection) as caught:
         outbox.enqueue(AsyncSession(), **valid_event())  # type: ignore[arg-type]
-    assert "AsyncSession given: enqueue takes a synchronous" in str(caught.value)
-    assert "await session.run_sync(lambda s: outbox.enqueue(s, ...))" in str(caught.value)
+    assert "AsyncSession given: enqueue and enqueue_many take a synchronous" in str(caught.value)
+    assert "await enqueue_async(...) or await enqueue_many_async(...)" in str(caught.value)
