@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from outbox_kafka import operations
-from outbox_kafka.database import NO_DATABASE_URL, redact_url, url_secrets
+from outbox_kafka.database import NO_DATABASE_URL, redact_url, short_command_engine, url_secrets
 from outbox_kafka.errors import OutboxError
 from outbox_kafka.logs import register_secrets
+from outbox_kafka.relay.outboxes import OutboxTarget
 from outbox_kafka.relay.settings import RelaySettings
 
 from . import reports
 from .operator_commands import cmd_check_consistency, operator_engine
 from .options import add_option, add_output_flags, names_from
-from .relay_command import add_relay_parser, relay_settings
+from .relay_command import add_relay_parser, outbox_targets, relay_settings
 
 _CHECK_HELP = (
     "Check what a relay with these settings needs: the settings themselves (the same "
@@ -34,8 +36,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     results: list[operations.CheckResult] = []
     register_secrets(url_secrets(args.database_url or ""))
     settings: RelaySettings | None = None
+    targets: list[OutboxTarget] | None = None
     try:
-        settings = relay_settings(args)
+        targets = outbox_targets(args)
+        settings = relay_settings(args, targets)
     except OutboxError as exc:
         results.append(check("settings", False, str(exc)))
     else:
@@ -53,7 +57,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     results.append(operations.check_schemas(args.schema_dir))
 
     timeout: float = args.check_timeout
-    if not args.database_url:
+    if targets is not None:
+        for target in targets:
+            results.extend(_check_outbox_database(target, timeout))
+    elif args.outboxes_file:
+        results.append(check("database", False, "not checked: fix the outboxes file first"))
+    elif not args.database_url:
         results.append(check("database", False, NO_DATABASE_URL))
         results.append(check("migrations", False, "not checked: no database URL"))
     else:
@@ -90,6 +99,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     document = {"ok": ok, "checks": [r.as_dict() for r in results]}
     reports.emit(args, document, reports.check_text(results))
     return 0 if ok else 1
+
+
+def _check_outbox_database(target: OutboxTarget, timeout: float) -> list[operations.CheckResult]:
+    """The database and migration checks of one outbox of ``--outboxes-file``, named for it."""
+    register_secrets(url_secrets(target.database_url))
+    shown = redact_url(target.database_url)
+    try:
+        engine = short_command_engine(target.database_url, connect_timeout=timeout)
+    except OutboxError as exc:
+        found = [operations.CheckResult("database", False, str(exc))]
+    else:
+        try:
+            found = list(operations.check_database(engine, target.names, shown_url=shown))
+        finally:
+            engine.dispose()
+    return [dataclasses.replace(r, name=f"{r.name} [{target.name}]") for r in found]
 
 
 def add_check_parser(sub: Any) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
+from outbox_kafka.database import url_secrets
 from outbox_kafka.errors import ConfigurationError, OutboxError
 from outbox_kafka.logs import LOG_FORMATS, configure_logging
 from outbox_kafka.relay.settings import (
@@ -22,8 +23,10 @@ from outbox_kafka.relay.settings import (
 from .options import add_database_option, add_flag, add_option, add_table_options
 
 if TYPE_CHECKING:
+    from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.http_server import ObservabilityServer
     from outbox_kafka.relay.loop import Relay
+    from outbox_kafka.relay.outboxes import OutboxTarget
 
 #: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
 DEFAULT_METRICS_PORT = 9400
@@ -32,16 +35,37 @@ EXIT_WORK_LEFT = 3
 DEFAULT_METRICS_HOST = "0.0.0.0"
 
 
-def relay_settings(args: argparse.Namespace) -> RelaySettings:
-    """The relay's settings from its options (and the ``OUTBOX_KAFKA_CONFIG_*`` variables)."""
+def outbox_targets(args: argparse.Namespace) -> list[OutboxTarget] | None:
+    """The outboxes of ``--outboxes-file``, or None without one."""
+    if not args.outboxes_file:
+        return None
+    from outbox_kafka.relay.outboxes import load_outboxes
+
+    return load_outboxes(
+        args.outboxes_file,
+        database_url=args.database_url,
+        table=args.table,
+        db_schema=args.db_schema,
+    )
+
+
+def relay_settings(
+    args: argparse.Namespace, targets: list[OutboxTarget] | None = None
+) -> RelaySettings:
+    """The relay's settings from its options (and the ``OUTBOX_KAFKA_CONFIG_*`` variables).
+
+    With ``targets`` (several outboxes), the settings every outbox shares;
+    each outbox's database and table come from its entry.
+    """
     kafka = kafka_config_from_env()
     if args.kafka_config_file:
         kafka.update(kafka_config_from_file(args.kafka_config_file))
     for pair in args.kafka_config or []:
         key, value = parse_kafka_pair(pair)
         kafka[key] = value
+    database_url = args.database_url or (targets[0].database_url if targets else "")
     return RelaySettings(
-        database_url=args.database_url or "",
+        database_url=database_url,
         bootstrap_servers=args.bootstrap_servers or "",
         table=args.table,
         db_schema=args.db_schema,
@@ -81,19 +105,25 @@ def _metrics_port(args: argparse.Namespace) -> int | None:
     return port or None
 
 
-def _start_server(relay: Relay, args: argparse.Namespace) -> ObservabilityServer | None:
+def _start_server(
+    relay: Relay | RelayGroup, args: argparse.Namespace
+) -> ObservabilityServer | None:
     """Serve the relay's endpoints, if wanted.
 
     A port given explicitly must be free (else exit 2); the default port, when
     taken (several relays on one host), is skipped with a warning.
     """
     from outbox_kafka.relay.http_server import ObservabilityServer
+    from outbox_kafka.relay.loop import Relay
 
     port = _metrics_port(args)
     if port is None:
         return None
     try:
-        server = ObservabilityServer.for_relay(relay, host=args.metrics_host, port=port)
+        if isinstance(relay, Relay):
+            server = ObservabilityServer.for_relay(relay, host=args.metrics_host, port=port)
+        else:
+            server = ObservabilityServer.for_group(relay, host=args.metrics_host, port=port)
     except ConfigurationError as exc:
         if args.metrics_port is not None:
             raise
@@ -106,12 +136,17 @@ def _start_server(relay: Relay, args: argparse.Namespace) -> ObservabilityServer
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
+    from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.loop import Relay
 
-    settings = relay_settings(args)
-    configure_logging(args.log_format, args.log_level, secrets=settings.secret_values())
+    targets = outbox_targets(args)
+    settings = relay_settings(args, targets)
+    secrets = list(settings.secret_values())
+    for target in targets or []:
+        secrets.extend(url_secrets(target.database_url))
+    configure_logging(args.log_format, args.log_level, secrets=secrets)
     _metrics_port(args)  # a bad port is refused before anything starts
-    relay = Relay(settings)
+    relay = Relay(settings) if targets is None else RelayGroup(settings, targets)
     try:
         server = _start_server(relay, args)
     except BaseException:
@@ -124,7 +159,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
             server.close()
 
 
-def _run_relay(args: argparse.Namespace, relay: Relay) -> int:
+def _run_relay(args: argparse.Namespace, relay: Relay | RelayGroup) -> int:
     signals_seen = 0
 
     def on_signal(signum: int, frame: object) -> None:
@@ -139,11 +174,13 @@ def _run_relay(args: argparse.Namespace, relay: Relay) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if args.drain:
         try:
-            result = relay.drain_all(args.drain_timeout)
+            drained = relay.drain_all(args.drain_timeout)
         finally:
             relay.close()
-        print(result.summary())
-        return 0 if result.complete else EXIT_WORK_LEFT
+        results = drained if isinstance(drained, dict) else {"": drained}
+        for name, result in results.items():
+            print(f"outbox {name}: {result.summary()}" if name else result.summary())
+        return 0 if all(r.complete for r in results.values()) else EXIT_WORK_LEFT
     relay.run()
     return 0
 
@@ -172,6 +209,14 @@ def add_relay_parser(
     )
     add_option(p, "--kafka-config-file", help="file of librdkafka key=value lines")
     add_table_options(p)
+    add_option(
+        p,
+        "--outboxes-file",
+        help="serve several outboxes (databases, or schemas of one): a TOML file of "
+        "[outboxes.<name>] entries, each with database_url or database_url_env and "
+        "optionally schema and table (defaults: --database-url, --db-schema, --table); "
+        "every other setting is shared; see docs/howto/several-outboxes.md",
+    )
     defaults = RelaySettings
     add_option(
         p, "--batch-size", type=int, default=defaults.batch_size, help="events claimed per cycle"

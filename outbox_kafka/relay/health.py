@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,7 @@ from outbox_kafka.logs import redact
 from outbox_kafka.relay.monitoring import Monitor
 
 if TYPE_CHECKING:
+    from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.loop import Relay
     from outbox_kafka.relay.settings import RelaySettings
 
@@ -139,6 +140,19 @@ class FailureLog:
                 )
 
 
+def _pinging(monitor: Monitor) -> Callable[[float], str | None]:
+    """A database check by ``monitor``: None when it answers, else why not."""
+
+    def database_problem(timeout: float) -> str | None:
+        try:
+            monitor.ping(timeout)
+        except StorageError as exc:
+            return str(exc)
+        return None
+
+    return database_problem
+
+
 class HealthChecks:
     """The checks behind ``/healthz`` and ``/readyz``; every dependency is injectable."""
 
@@ -147,7 +161,8 @@ class HealthChecks:
         *,
         last_cycle_at: Callable[[], float | None],
         max_cycle_age: float,
-        database_problem: Callable[[float], str | None],
+        database_problem: Callable[[float], str | None]
+        | Mapping[str, Callable[[float], str | None]],
         kafka_problem: Callable[[float], str | None],
         timeout: float = 2.0,
         cache_seconds: float = 1.5,
@@ -157,8 +172,17 @@ class HealthChecks:
     ) -> None:
         self._last_cycle_at = last_cycle_at
         self.max_cycle_age = max_cycle_age
-        self._database_problem = database_problem
-        self._kafka_problem = kafka_problem
+        #: Each check's name, how it runs and what a failure says: ``database``, or
+        #: ``database:<outbox>`` per outbox of a multi-outbox relay; then ``kafka``.
+        databases = (
+            [(f"database:{name}", check) for name, check in database_problem.items()]
+            if isinstance(database_problem, Mapping)
+            else [("database", database_problem)]
+        )
+        self._checks = [
+            *((name, check, DATABASE_FAILURE) for name, check in databases),
+            ("kafka", kafka_problem, KAFKA_FAILURE),
+        ]
         self.timeout = timeout
         self.cache_seconds = cache_seconds
         self._clock = clock
@@ -172,22 +196,39 @@ class HealthChecks:
         """Checks for ``relay``: its loop, a database connection of their own, its producer."""
         settings = relay.settings
         monitor = Monitor.connect(settings.database_url, settings.names)
-
-        def database_problem(timeout: float) -> str | None:
-            try:
-                monitor.ping(timeout)
-            except StorageError as exc:
-                return str(exc)
-            return None
-
         return cls(
             last_cycle_at=lambda: relay.last_cycle_at,
             max_cycle_age=default_max_cycle_age(settings)
             if max_cycle_age is None
             else max_cycle_age,
-            database_problem=database_problem,
+            database_problem=_pinging(monitor),
             kafka_problem=relay.publisher.broker_problem,
             on_close=monitor.close,
+        )
+
+    @classmethod
+    def for_group(cls, group: RelayGroup) -> HealthChecks:
+        """Checks for a multi-outbox relay: every loop, every outbox's database, the producer.
+
+        Liveness fails when a loop is stuck (not when it waits for its
+        database: see :meth:`RelayGroup.last_cycle_at`); readiness names each
+        outbox's database check, ``database:<outbox>``.
+        """
+        monitors = {
+            name: Monitor.connect(relay.settings.database_url, relay.settings.names)
+            for name, relay in group.relays.items()
+        }
+
+        def close() -> None:
+            for monitor in monitors.values():
+                monitor.close()
+
+        return cls(
+            last_cycle_at=group.last_cycle_at,
+            max_cycle_age=default_max_cycle_age(group.settings),
+            database_problem={name: _pinging(m) for name, m in monitors.items()},
+            kafka_problem=group.publisher.broker_problem,
+            on_close=close,
         )
 
     def liveness(self) -> HealthStatus:
@@ -217,11 +258,7 @@ class HealthChecks:
     def _check_dependencies(self) -> HealthStatus:
         """Run each dependency check; the answer names failed checks, the log says why."""
         details: dict[str, object] = {}
-        checks = (
-            ("database", self._database_problem, DATABASE_FAILURE),
-            ("kafka", self._kafka_problem, KAFKA_FAILURE),
-        )
-        for name, check, failure in checks:
+        for name, check, failure in self._checks:
             try:
                 problem = check(self.timeout)
             except Exception as exc:  # a probe must answer, whatever the client raised

@@ -35,8 +35,10 @@ from prometheus_client.exposition import choose_encoder
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.relay.health import HealthChecks, HealthStatus
 from outbox_kafka.relay.http_limits import DeadlineReader, HttpLimits, TimedWriter
+from outbox_kafka.relay.outbox_metrics import outbox_labelled_registry
 
 if TYPE_CHECKING:
+    from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.loop import Relay
 
 log = logging.getLogger("outbox_kafka.http")
@@ -296,6 +298,24 @@ class ObservabilityServer:
         checks = HealthChecks.for_relay(relay)
         try:
             return cls(relay.metrics.registry, checks, host=host, port=port, limits=limits)
+        except BaseException:
+            checks.close()
+            raise
+
+    @classmethod
+    def for_group(
+        cls,
+        group: RelayGroup,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        limits: HttpLimits | None = None,
+    ) -> ObservabilityServer:
+        """A server for a multi-outbox relay: every outbox's metrics, labelled ``outbox``."""
+        checks = HealthChecks.for_group(group)
+        try:
+            registry = outbox_labelled_registry(group.registries)
+            return cls(registry, checks, host=host, port=port, limits=limits)
         except BaseException:
             checks.close()
             raise

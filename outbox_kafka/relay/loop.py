@@ -94,6 +94,11 @@ class Relay:
         """``time.monotonic()`` when the last cycle finished; None before the first."""
         return self._steps.last_cycle_at
 
+    @property
+    def waiting_on_database(self) -> bool:
+        """Whether a database step is retrying: the loop waits for the database, not stuck."""
+        return self._steps.db.waiting
+
     # Control -----------------------------------------------------------------
 
     def stop(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -98,8 +99,10 @@ class Publisher:
         self.max_message_bytes = int(
             producer_config.get("message.max.bytes", KAFKA_MESSAGE_MAX_BYTES)
         )
+        #: Guards replacing the producer and making the admin client: several
+        #: relay loops (one per outbox) may share this publisher.
+        self._lock = threading.Lock()
         self._producer = self._new_producer()
-        self._fatal = False
         self._admin: AdminClient | None = None
 
     def _new_producer(self) -> Producer:
@@ -109,12 +112,13 @@ class Publisher:
             raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
 
     def _admin_client(self) -> AdminClient:
-        if self._admin is None:
-            try:
-                self._admin = AdminClient(self._admin_config)
-            except (KafkaException, ValueError, TypeError) as exc:
-                raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
-        return self._admin
+        with self._lock:
+            if self._admin is None:
+                try:
+                    self._admin = AdminClient(self._admin_config)
+                except (KafkaException, ValueError, TypeError) as exc:
+                    raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
+            return self._admin
 
     # Topics ---------------------------------------------------------------
 
@@ -185,7 +189,9 @@ class Publisher:
         """
         deliveries = [Delivery() for _ in messages]
         held: set[bytes] = set()
-        produce: Any = self._producer.produce
+        # This batch stays on this producer, even if another loop replaces it meanwhile.
+        producer = self._producer
+        produce: Any = producer.produce
         on_delivery = self._on_delivery
         for msg, delivery in zip(messages, deliveries, strict=True):
             if msg.key in held:
@@ -201,7 +207,7 @@ class Publisher:
                         on_delivery=partial(on_delivery, delivery),
                     )
                 except BufferError:
-                    self._produce_one(produce, msg, partial(on_delivery, delivery))
+                    self._produce_one(producer, msg, partial(on_delivery, delivery))
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
                 delivery.reported = True
@@ -213,17 +219,19 @@ class Publisher:
                     delivery.verdict = Verdict.RETRIABLE
                     delivery.error = str(exc)
                 held.add(msg.key)
-        self._wait(deliveries, timeout, abort)
+        self._wait(producer, deliveries, timeout, abort)
         return deliveries
 
-    def _produce_one(self, produce: Any, msg: Message, callback: Any) -> None:
+    @staticmethod
+    def _produce_one(producer: Producer, msg: Message, callback: Any) -> None:
+        produce: Any = producer.produce
         while True:
             try:
                 produce(msg.topic, msg.value, msg.key, headers=msg.headers, on_delivery=callback)
                 return
             except BufferError:
                 # Local queue full: serve delivery reports to make room.
-                self._producer.poll(0.05)
+                producer.poll(0.05)
 
     @staticmethod
     def _on_delivery(delivery: Delivery, err: KafkaError | None, msg: Any) -> None:
@@ -238,22 +246,39 @@ class Publisher:
             delivery.fatal = _needs_rebuild(err)
 
     def _wait(
-        self, deliveries: list[Delivery], timeout: float, abort: Callable[[], bool] | None
+        self,
+        producer: Producer,
+        deliveries: list[Delivery],
+        timeout: float,
+        abort: Callable[[], bool] | None,
     ) -> None:
+        """Serve delivery reports until each of ``deliveries`` has one, or the time is up.
+
+        Several relay loops may share this publisher (one per outbox): each
+        waits for its own messages, not for the whole producer queue, and a
+        report may be served by any loop's wait.
+        """
         deadline = time.monotonic() + timeout
         slice_seconds = 0.2 if abort is not None else timeout
-        self._fatal = False
-        remaining = self._flush(min(slice_seconds, timeout))
-        while remaining and time.monotonic() < deadline and not (abort is not None and abort()):
-            remaining = self._flush(min(slice_seconds, max(0.0, deadline - time.monotonic())))
+        fatal = False
+
+        def waiting() -> bool:
+            return any(d.sent and not d.reported for d in deliveries)
+
+        while waiting() and not fatal:
+            left = deadline - time.monotonic()
+            if left <= 0 or (abort is not None and abort()):
+                break
+            fatal = self._flush(producer, min(slice_seconds, left))
         for d in deliveries:
             if d.sent and not d.reported:
                 d.error = "NO_REPORT: no delivery report before the relay's wait ran out"
-        if self._fatal or any(d.fatal for d in deliveries):
-            self.rebuild()
+        if fatal or any(d.fatal for d in deliveries):
+            self.rebuild(producer)
 
-    def _flush(self, timeout: float) -> int:
-        """``flush()``; a fatal producer error ends the wait (0) instead of escaping.
+    @staticmethod
+    def _flush(producer: Producer, timeout: float) -> bool:
+        """``flush()``; whether the producer failed fatally (instead of raising).
 
         confluent-kafka raises a fatal error, such as UNKNOWN_PRODUCER_ID from a
         broker that lost the producer's state in a restart, from ``flush()`` and
@@ -261,35 +286,43 @@ class Publisher:
         unreported (their keys wait a lease) and it is replaced.
         """
         try:
-            return int(self._producer.flush(timeout))
+            producer.flush(timeout)
         except KafkaException as exc:
-            self._fatal = True
             log.error(
                 "the Kafka producer failed fatally",
                 extra={"action": "producer_fatal", "error": str(exc)},
             )
-            return 0
+            return True
+        return False
 
-    def rebuild(self) -> None:
-        """Replace a producer that hit a fatal error (its idempotence state is gone)."""
-        log.warning(
-            "rebuilding the Kafka producer after a fatal error", extra={"action": "rebuild"}
-        )
-        old = self._producer
-        self._producer = self._new_producer()
+    def rebuild(self, failed: Producer | None = None) -> None:
+        """Replace a producer that hit a fatal error (its idempotence state is gone).
+
+        ``failed``: the producer that failed; when another loop has replaced
+        it already, nothing is done.
+        """
+        with self._lock:
+            if failed is not None and failed is not self._producer:
+                return
+            log.warning(
+                "rebuilding the Kafka producer after a fatal error", extra={"action": "rebuild"}
+            )
+            old = self._producer
+            self._producer = self._new_producer()
         with contextlib.suppress(KafkaException):
             old.flush(0)
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve pending callbacks (statistics, logs, late delivery reports)."""
+        producer = self._producer
         try:
-            self._producer.poll(timeout)
+            producer.poll(timeout)
         except KafkaException as exc:
             log.error(
                 "the Kafka producer failed fatally",
                 extra={"action": "producer_fatal", "error": str(exc)},
             )
-            self.rebuild()
+            self.rebuild(producer)
 
     def broker_problem(self, timeout: float) -> str | None:
         """Why no broker answers a metadata request within ``timeout`` seconds, or None.

@@ -34,6 +34,8 @@ class DatabaseRetry:
         self._stopping = stopping
         self._past_deadline = past_shutdown_deadline
         self._metrics = metrics
+        #: Whether a step is waiting for the database to answer again (between retries).
+        self.waiting = False
 
     def run(
         self,
@@ -52,6 +54,7 @@ class DatabaseRetry:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             self._metrics.db_errors.inc()
+            self.waiting = True
             log.warning(
                 "database error, retrying",
                 extra={"action": "db_retry", "attempt": state.attempt_number, "error": str(exc)},
@@ -71,4 +74,6 @@ class DatabaseRetry:
             sleep=sleep,
             reraise=True,
         )
-        return retrying(action)
+        result = retrying(action)
+        self.waiting = False
+        return result

@@ -1,0 +1,226 @@
+"""One relay process serving three outboxes: two databases, one of them with two schemas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
+
+from outbox_kafka import migrate
+from outbox_kafka.database import make_engine
+from outbox_kafka.naming import TableNames
+from outbox_kafka.relay.group import RelayGroup
+from outbox_kafka.relay.http_server import ObservabilityServer
+from outbox_kafka.relay.outboxes import load_outboxes
+from tests.acceptance.test_relay_cli import run_cli
+from tests.relay_support import (
+    consume_all,
+    enqueue_bulk,
+    make_settings,
+    per_key_order,
+    seq_events,
+    topic_outbox,
+)
+
+KEYS = ["k-a", "k-b", "k-c", "k-d"]
+EVENTS = 120
+
+
+@dataclass
+class Outboxes:
+    """Three outboxes: ``first`` and ``tenant`` in one database, ``second`` in another."""
+
+    file: Path
+    engines: dict[str, sa.Engine]
+    names: dict[str, TableNames]
+    url: str
+
+
+@pytest.fixture
+def three_outboxes(
+    database_url: str, empty_database: Callable[[], str], tmp_path: Path
+) -> Iterator[Outboxes]:
+    other_url = empty_database()
+    first = make_engine(database_url)
+    second = make_engine(other_url)
+    tenant = TableNames(schema="tenant_b")
+    with first.begin() as conn:
+        conn.exec_driver_sql("CREATE SCHEMA tenant_b")
+    migrate(first, tenant)
+    migrate(second)
+    file = tmp_path / "outboxes.toml"
+    file.write_text(
+        "[outboxes.first]\n"
+        "[outboxes.tenant]\n"
+        'schema = "tenant_b"\n'
+        "[outboxes.second]\n"
+        'database_url_env = "SECOND_DATABASE_URL"\n',
+        encoding="utf-8",
+    )
+    yield Outboxes(
+        file=file,
+        engines={"first": first, "tenant": first, "second": second},
+        names={"first": TableNames(), "tenant": tenant, "second": TableNames()},
+        url=other_url,
+    )
+    first.dispose()
+    second.dispose()
+
+
+def _fill(outboxes: Outboxes, topics: dict[str, str]) -> None:
+    for name, engine in outboxes.engines.items():
+        names = outboxes.names[name]
+        outbox = topic_outbox(table=names.table, db_schema=names.schema)
+        enqueue_bulk(engine, outbox, seq_events(topics[name], KEYS, EVENTS), chunk=40)
+
+
+def _check_topic(bootstrap: str, topic: str) -> None:
+    """Every event of ``topic`` arrived, each key's in the order they were written."""
+    records = consume_all(bootstrap, topic, EVENTS)
+    n_of = {r.ce_id: r.value["data"]["n"] for r in records}
+    order = per_key_order(records)
+    assert sorted(order) == KEYS
+    for key, ids in order.items():
+        numbers = [n_of[i] for i in ids]
+        assert numbers == list(range(EVENTS // len(KEYS))), f"{topic} key {key}: {numbers[:10]}"
+
+
+def test_a_relay_group_drains_three_outboxes_in_per_key_order_with_labelled_metrics(
+    three_outboxes: Outboxes,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SECOND_DATABASE_URL", three_outboxes.url)
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    topics = {name: new_topic(partitions=2) for name in three_outboxes.engines}
+    _fill(three_outboxes, topics)
+    targets = load_outboxes(
+        three_outboxes.file, database_url=first_url, table="outbox", db_schema="public"
+    )
+    group = RelayGroup(make_settings(first_url, kafka_bootstrap), targets)
+    try:
+        results = group.drain_all(60)
+        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0)
+        try:
+            exposition = group_exposition(server)
+        finally:
+            server.close()
+    finally:
+        group.close()
+    assert {name: r.complete for name, r in results.items()} == {
+        "first": True,
+        "tenant": True,
+        "second": True,
+    }
+    for topic in topics.values():
+        _check_topic(kafka_bootstrap, topic)
+    published = {
+        (s.labels["outbox"], s.labels["topic"]): s.value
+        for family in text_string_to_metric_families(exposition)
+        if family.name == "outbox_events_published"
+        for s in family.samples
+        if s.name == "outbox_events_published_total"
+    }
+    assert published == {(name, topics[name]): EVENTS for name in topics}
+    for name, engine in three_outboxes.engines.items():
+        names = three_outboxes.names[name]
+        with engine.connect() as conn:
+            pending = conn.execute(
+                sa.text(f"SELECT count(*) FROM {names.qualified_events} WHERE delivered_at IS NULL")
+            ).scalar()
+        assert pending == 0, name
+
+
+def group_exposition(server: ObservabilityServer) -> str:
+    import urllib.request
+
+    server.start()
+    with urllib.request.urlopen(server.url("/metrics"), timeout=10) as answer:
+        return str(answer.read().decode())
+
+
+def test_relay_and_check_take_an_outboxes_file(
+    three_outboxes: Outboxes,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+) -> None:
+    topics = {name: new_topic(partitions=2) for name in three_outboxes.engines}
+    _fill(three_outboxes, topics)
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    env = {"SECOND_DATABASE_URL": three_outboxes.url}
+    common = [
+        "--outboxes-file",
+        str(three_outboxes.file),
+        "--database-url",
+        first_url,
+        "--bootstrap-servers",
+        kafka_bootstrap,
+    ]
+    checked = run_cli("check", *common, env=env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    for name in ("first", "tenant", "second"):
+        assert f"database [{name}]" in checked.stdout
+        assert f"migrations [{name}]" in checked.stdout
+    drained = run_cli("relay", "--drain", "--drain-timeout", "60", *common, env=env)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    for name in ("first", "tenant", "second"):
+        assert f"outbox {name}: " in drained.stdout
+    for topic in topics.values():
+        _check_topic(kafka_bootstrap, topic)
+
+
+def test_check_names_an_outbox_whose_table_is_missing(
+    three_outboxes: Outboxes, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    file = tmp_path / "missing.toml"
+    file.write_text('[outboxes.first]\n[outboxes.ghost]\nschema = "nowhere"\n', encoding="utf-8")
+    checked = run_cli(
+        "check",
+        "--outboxes-file",
+        str(file),
+        "--database-url",
+        first_url,
+        "--bootstrap-servers",
+        kafka_bootstrap,
+    )
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert any("migrations [first]" in line and "OK" in line for line in lines), lines
+    assert any("migrations [ghost]" in line and "FAIL" in line for line in lines), lines
+
+
+def test_an_outboxes_file_that_names_no_url_for_an_entry_is_refused_at_once(
+    tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    file = tmp_path / "outboxes.toml"
+    file.write_text("[outboxes.orders]\n", encoding="utf-8")
+    ran = run_cli(
+        "relay", "--outboxes-file", str(file), "--bootstrap-servers", kafka_bootstrap, timeout=30
+    )
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert "outbox 'orders' has no database URL" in ran.stderr
+
+
+def test_the_outboxes_of_a_file_keep_their_own_tables(
+    three_outboxes: Outboxes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SECOND_DATABASE_URL", three_outboxes.url)
+    targets = load_outboxes(
+        three_outboxes.file, database_url="postgresql://h/db", table="outbox", db_schema="public"
+    )
+    assert [(t.name, t.db_schema, t.table) for t in targets] == [
+        ("first", "public", "outbox"),
+        ("tenant", "tenant_b", "outbox"),
+        ("second", "public", "outbox"),
+    ]
+    assert [t.database_url for t in targets] == [
+        "postgresql://h/db",
+        "postgresql://h/db",
+        three_outboxes.url,
+    ]
