@@ -259,7 +259,9 @@ class Publisher:
         report may be served by any loop's wait.
         """
         deadline = time.monotonic() + timeout
-        slice_seconds = 0.2 if abort is not None else timeout
+        # Short slices: the flush also serves reports of other loops sharing the
+        # producer, and returns only when its whole queue is empty.
+        slice_seconds = 0.05 if abort is not None else timeout
         fatal = False
 
         def waiting() -> bool:
