@@ -48,7 +48,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             check(
                 "settings",
                 True,
-                f"valid: table {settings.names.qualified_events}, lease "
+                f"valid: {_tables(settings, targets)}, lease "
                 f"{settings.lease_seconds:g} s, delivery timeout "
                 f"{settings.effective_delivery_timeout_ms} ms, on exhausted: "
                 f"{settings.on_exhausted}",
@@ -99,6 +99,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     document = {"ok": ok, "checks": [r.as_dict() for r in results]}
     reports.emit(args, document, reports.check_text(results))
     return 0 if ok else 1
+
+
+def _tables(settings: RelaySettings, targets: list[OutboxTarget] | None) -> str:
+    """The table, or each outbox's, as the settings line shows them."""
+    if targets is None:
+        return f"table {settings.names.qualified_events}"
+    listed = ", ".join(f"{t.name}: {t.names.qualified_events}" for t in targets)
+    return f"{len(targets)} outboxes ({listed})"
 
 
 def _check_outbox_database(target: OutboxTarget, timeout: float) -> list[operations.CheckResult]:
