@@ -17,8 +17,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check outbox_kafka tests bench deploy
-	$(BIN)/ruff format --check outbox_kafka tests bench deploy
+	$(BIN)/ruff check outbox_kafka tests bench deploy examples
+	$(BIN)/ruff format --check outbox_kafka tests bench deploy examples
 	$(BIN)/mypy --strict outbox_kafka deploy/producer/orders.py
 
 format: $(STAMP)

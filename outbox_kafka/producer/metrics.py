@@ -51,13 +51,15 @@ class ProducerMetrics:
         for reason in ENQUEUE_FAILURE_REASONS:
             self.enqueue_failures.labels(reason=reason)
 
-    def enqueue_failed(self, exc: BaseException) -> None:
+    def enqueue_failed(self, exc: BaseException, reason: str | None = None) -> None:
+        """Count ``exc``; ``reason``: its label where :func:`enqueue_failure_reason` cannot tell
+        (a database error that is not SQLAlchemy's)."""
         # enqueue may call enqueue_many: count each exception once, at the innermost call.
         if getattr(exc, "_outbox_counted", False):
             return
         with contextlib.suppress(AttributeError):
             exc._outbox_counted = True  # type: ignore[attr-defined]
-        self.enqueue_failures.labels(reason=enqueue_failure_reason(exc)).inc()
+        self.enqueue_failures.labels(reason=reason or enqueue_failure_reason(exc)).inc()
 
 
 _producer_metrics: weakref.WeakKeyDictionary[CollectorRegistry, ProducerMetrics] = (

@@ -113,6 +113,12 @@ class Outbox:
         return self._names
 
     @property
+    def writer(self) -> OutboxWriter:
+        """What writes this outbox's encoded events: for adapters that execute on a driver's
+        cursor (:mod:`outbox_kafka.contrib.django`)."""
+        return self._writer
+
+    @property
     def schemas(self) -> EventSchemas | None:
         return self._encoder.schemas
 

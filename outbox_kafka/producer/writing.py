@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 import weakref
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -170,19 +171,28 @@ class OutboxWriter:
         if isinstance(known, EnqueueFunctions):
             return known
         row = connection.execute(
-            self._queries["enqueue_function_callable"],
-            {
-                "signature": names.enqueue_one_signature,
-                "batch_signature": names.enqueue_many_signature,
-            },
+            self._queries["enqueue_function_callable"], self.functions_params()
         ).one()
-        found = EnqueueFunctions(bool(row.callable), bool(row.batch_callable))
+        found = self.functions_from_row(row)
         if found == _BOTH:
             # For the engine's other connections too, however short-lived (NullPool).
             self._functions_callable_on.add(engine)
         else:
             connection.info[key] = found
         return found
+
+    def functions_params(self) -> dict[str, str]:
+        """The parameters of ``enqueue_function_callable``, the question :meth:`functions` asks."""
+        names = self._names
+        return {
+            "signature": names.enqueue_one_signature,
+            "batch_signature": names.enqueue_many_signature,
+        }
+
+    @staticmethod
+    def functions_from_row(row: Sequence[Any]) -> EnqueueFunctions:
+        """The answer of ``enqueue_function_callable``, from its one row (in column order)."""
+        return EnqueueFunctions(bool(row[0]), bool(row[1]))
 
 
 def duplicate_id_error() -> DuplicateEventId:

@@ -1,0 +1,1 @@
+"""Adapters for frameworks that do not hand out SQLAlchemy connections."""
