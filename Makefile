@@ -22,8 +22,8 @@ lint: $(STAMP)
 	$(BIN)/mypy --strict outbox_kafka deploy/producer/orders.py
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix outbox_kafka tests bench deploy
-	$(BIN)/ruff format outbox_kafka tests bench deploy
+	$(BIN)/ruff check --fix outbox_kafka tests bench deploy examples
+	$(BIN)/ruff format outbox_kafka tests bench deploy examples
 
 test: lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
