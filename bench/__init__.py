@@ -1,6 +1,6 @@
 """Benchmarks for outbox-kafka: ``make bench`` (``python -m bench``).
 
-Each section module (producer, relay = throughput, hotkey, backlog, latency)
+Each section module (producer, async, relay = throughput, hotkey, backlog, latency)
 exposes ``run(ctx) -> list[Result]`` and is registered in
 ``bench.__main__.BENCHES``. ``bench.common`` holds the context, the results
 with their targets, the tables and the ``bench/results.md`` writer;

@@ -24,7 +24,7 @@ from pathlib import Path
 from outbox_kafka.database import normalise_url, redact_url
 from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker, start_postgres
 
-from . import backlog, business, hotkey, latency, plots, producer, relay, wakeups
+from . import async_producer, backlog, business, hotkey, latency, plots, producer, relay, wakeups
 from .common import (
     DEFAULT_RUNS,
     QUICK_RUNS,
@@ -53,6 +53,12 @@ BENCHES: list[Bench] = [
         producer.NAME,
         producer.run,
         "cost per event of enqueue / enqueue_many against plain INSERTs of the same bytes",
+    ),
+    Bench(
+        async_producer.NAME,
+        async_producer.run,
+        "cost per event of enqueue_many_async on asyncpg (and psycopg async) against "
+        "enqueue_many on psycopg2, same batches",
     ),
     Bench(
         business.NAME,

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outbox_kafka.errors import DuplicateEventId
 from outbox_kafka.naming import TableNames
@@ -41,6 +41,9 @@ from outbox_kafka.relay.boundaries import Delivery, Message
 from outbox_kafka.relay.reports import Remaining
 from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
 from outbox_kafka.relay.wakeups import Wakeups
+
+if TYPE_CHECKING:
+    from outbox_kafka.producer.writing import AsyncConnectable
 
 __all__ = ["InMemoryStore", "StoredEvent", "StubPublisher", "Verdict"]
 
@@ -90,9 +93,10 @@ class InMemoryStore:
     def outbox(self, **options: Any) -> Outbox:
         """An :class:`~outbox_kafka.Outbox` (same options) that writes into this store.
 
-        Code under test calls ``enqueue``/``enqueue_many`` on it as on a real outbox,
-        with every validation; the connection it passes is not used (there is no
-        transaction: an event is stored when the call returns).
+        Code under test calls ``enqueue``/``enqueue_many`` (or their ``_async``
+        versions) on it as on a real outbox, with every validation; the connection
+        it passes is not used (there is no transaction: an event is stored when the
+        call returns).
         """
         outbox = Outbox(**options)
         outbox._writer = _MemoryWriter(outbox.names, self)
@@ -312,6 +316,12 @@ class _MemoryWriter(OutboxWriter):
 
     def write(
         self, conn: Connectable, encoded: list[EncodedEvent], chosen_ids: bool
+    ) -> list[uuid.UUID]:
+        self._store.store_encoded(encoded)
+        return [e.event_id for e in encoded]
+
+    async def write_async(
+        self, conn: AsyncConnectable, encoded: list[EncodedEvent], chosen_ids: bool
     ) -> list[uuid.UUID]:
         self._store.store_encoded(encoded)
         return [e.event_id for e in encoded]

@@ -1,0 +1,1 @@
+"""Runnable examples of the producer API in applications (importable by the tests)."""
