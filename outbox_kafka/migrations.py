@@ -41,21 +41,29 @@ def migrate(engine: Engine, names: TableNames | None = None) -> MigrationResult:
     migration leaves nothing behind.
     """
     names = names or TableNames()
-    q = queries_for(names)
     with (
         storage_errors(f"migrating {names.qualified_events}", error=MigrationError),
         engine.begin() as conn,
     ):
-        conn.execute(q["migration_lock"], {"lock_id": names.lock_id("migrate")})
-        conn.execute(q["create_schema"])
-        conn.execute(q["create_versions_table"])
-        todo = pending_migrations(conn, names)
-        for migration in todo:
-            conn.execute(text(migration.sql))
-            conn.execute(
-                q["record_version"], {"version": migration.version, "name": migration.name}
-            )
-        current = max(conn.execute(q["applied_versions"]).scalars(), default=0)
+        return apply_migrations(conn, names)
+
+
+def apply_migrations(conn: Connection, names: TableNames | None = None) -> MigrationResult:
+    """:func:`migrate` in the caller's transaction on ``conn`` (an Alembic revision's, say).
+
+    Begins, commits and rolls back nothing: the migrations apply when the
+    caller commits. The advisory lock is the transaction's, as in :func:`migrate`.
+    """
+    names = names or TableNames()
+    q = queries_for(names)
+    conn.execute(q["migration_lock"], {"lock_id": names.lock_id("migrate")})
+    conn.execute(q["create_schema"])
+    conn.execute(q["create_versions_table"])
+    todo = pending_migrations(conn, names)
+    for migration in todo:
+        conn.execute(text(migration.sql))
+        conn.execute(q["record_version"], {"version": migration.version, "name": migration.name})
+    current = max(conn.execute(q["applied_versions"]).scalars(), default=0)
     return MigrationResult(applied=[m.version for m in todo], current=current)
 
 

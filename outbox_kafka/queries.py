@@ -105,9 +105,19 @@ def millis(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class Migration:
+    """One versioned migration; ``adopt_sql`` is what adopting tables made without it runs.
+
+    Tables made from :mod:`outbox_kafka.tables` (by Alembic, say) have the
+    latest shape but none of what the migrations add beyond it: storage
+    settings, functions, grants. A migration whose file creates or alters
+    tables comes with ``NNNN_name.adopt.sql``, holding only those additions;
+    a migration without one adds nothing but them and is run as it is.
+    """
+
     version: int
     name: str
     sql: str
+    adopt_sql: str
 
 
 @cache
@@ -118,9 +128,10 @@ def raw_migrations() -> tuple[Migration, ...]:
     for entry in folder.iterdir():
         match = _MIGRATION_FILE.fullmatch(entry.name)
         if match:
-            found.append(
-                Migration(int(match.group(1)), match.group(2), entry.read_text(encoding="utf-8"))
-            )
+            sql = entry.read_text(encoding="utf-8")
+            adopt = folder.joinpath(entry.name.removesuffix(".sql") + ".adopt.sql")
+            adopt_sql = adopt.read_text(encoding="utf-8") if adopt.is_file() else sql
+            found.append(Migration(int(match.group(1)), match.group(2), sql, adopt_sql))
     found.sort(key=lambda m: m.version)
     versions = [m.version for m in found]
     if versions != list(range(1, len(found) + 1)):
@@ -149,7 +160,10 @@ class Queries:
         return cached
 
     def migrations(self) -> list[Migration]:
-        return [Migration(m.version, m.name, render(m.sql, self.names)) for m in raw_migrations()]
+        return [
+            Migration(m.version, m.name, render(m.sql, self.names), render(m.adopt_sql, self.names))
+            for m in raw_migrations()
+        ]
 
 
 @cache

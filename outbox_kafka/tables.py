@@ -32,13 +32,14 @@ from outbox_kafka.naming import TableNames
 
 @dataclass(frozen=True)
 class OutboxTables:
-    """The four tables of one outbox, on one ``MetaData``."""
+    """The tables of one outbox, on one ``MetaData``: its four, and its migrations table."""
 
     metadata: MetaData
     events: Table
     keys: Table
     seqs: Table
     arrivals: Table
+    versions: Table
 
 
 def build_tables(names: TableNames | None = None, metadata: MetaData | None = None) -> OutboxTables:
@@ -122,7 +123,17 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Column("due_at", DateTime(timezone=True), nullable=False, server_default=now),
         schema=schema,
     )
-    return OutboxTables(md, events, keys, seqs, arrivals)
+    # The migrations applied (``outbox-kafka migrate``): here so that Alembic's
+    # autogenerate, with this metadata as its target, does not propose dropping it.
+    versions = Table(
+        names.versions,
+        md,
+        Column("version", Integer, primary_key=True, autoincrement=False),
+        Column("name", Text, nullable=False),
+        Column("applied_at", DateTime(timezone=True), nullable=False, server_default=now),
+        schema=schema,
+    )
+    return OutboxTables(md, events, keys, seqs, arrivals, versions)
 
 
 _default = build_tables()
@@ -132,3 +143,4 @@ outbox_events = _default.events
 outbox_keys = _default.keys
 outbox_key_seq = _default.seqs
 outbox_arrivals = _default.arrivals
+outbox_migrations = _default.versions

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from outbox_kafka.adoption import adopt
 from outbox_kafka.database import NO_DATABASE_URL, make_engine
 from outbox_kafka.errors import OutboxError
 from outbox_kafka.migrations import migrate, migration_script
@@ -22,10 +23,12 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
         raise OutboxError(NO_DATABASE_URL)
     engine = make_engine(args.database_url)
     try:
-        result = migrate(engine, names)
+        result = adopt(engine, names) if args.adopt else migrate(engine, names)
     finally:
         engine.dispose()
-    if result.applied:
+    if result.applied and args.adopt:
+        print(f"adopted {names.qualified_events}: recorded migrations {result.applied}")
+    elif result.applied:
         print(f"applied migrations {result.applied} to {names.qualified_events}")
     else:
         print(f"{names.qualified_events} is up to date (version {result.current})")
@@ -40,5 +43,12 @@ def add_migrate_parser(sub: Any) -> None:
         "--print-sql",
         action="store_true",
         help="print the migration SQL for a DBA instead of running it",
+    )
+    p.add_argument(
+        "--adopt",
+        action="store_true",
+        help="adopt tables made without migrate (from outbox_kafka.tables.metadata, by "
+        "Alembic say): check they have the current shape, add the storage settings and "
+        "functions, record the migrations; refused, listing the differences, otherwise",
     )
     p.set_defaults(handler=_cmd_migrate)

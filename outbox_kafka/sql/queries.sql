@@ -561,6 +561,52 @@ INSERT INTO {versions} (version, name) VALUES (:version, :name);
 -- name: table_exists
 SELECT to_regclass(:qualified_name) IS NOT NULL AS present;
 
+-- name: describe_outbox
+-- The shape of an outbox as the catalog has it, for migrate --adopt: one row
+-- per column, constraint, index and storage setting of the tables :tables in
+-- schema :schema, and per function of :functions there, as (kind, table_name,
+-- name, definition). Index definitions name their table without its schema,
+-- so that the outboxes of two schemas compare equal.
+SELECT 'column' AS kind, c.relname AS table_name, a.attname AS name,
+       format_type(a.atttypid, a.atttypmod)
+       || CASE WHEN a.attnotnull THEN ' NOT NULL' ELSE '' END
+       || COALESCE(' DEFAULT ' || pg_get_expr(d.adbin, d.adrelid), '') AS definition
+FROM pg_attribute a
+JOIN pg_class c ON c.oid = a.attrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+WHERE n.nspname = :schema AND c.relname = ANY(CAST(:tables AS text[]))
+  AND a.attnum > 0 AND NOT a.attisdropped
+UNION ALL
+SELECT 'constraint', c.relname, con.conname, pg_get_constraintdef(con.oid)
+FROM pg_constraint con
+JOIN pg_class c ON c.oid = con.conrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = :schema AND c.relname = ANY(CAST(:tables AS text[]))
+UNION ALL
+SELECT 'index', c.relname, i.relname,
+       regexp_replace(pg_get_indexdef(i.oid), ' ON \S+ USING ', ' ON ' || c.relname || ' USING ')
+FROM pg_index x
+JOIN pg_class i ON i.oid = x.indexrelid
+JOIN pg_class c ON c.oid = x.indrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = :schema AND c.relname = ANY(CAST(:tables AS text[]))
+UNION ALL
+SELECT 'storage', c.relname, '',
+       array_to_string(ARRAY(SELECT o FROM unnest(c.reloptions) AS o ORDER BY o), ', ')
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = :schema AND c.relname = ANY(CAST(:tables AS text[]))
+UNION ALL
+SELECT 'function', '', p.proname, pg_get_function_identity_arguments(p.oid)
+FROM pg_proc p
+JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = :schema AND p.proname = ANY(CAST(:functions AS text[]))
+ORDER BY 1, 2, 3;
+
+-- name: drop_schema
+DROP SCHEMA {schema} CASCADE;
+
 -- ===========================================================================
 -- Operator commands: the statements behind outbox_kafka.operations
 -- (outbox-kafka stats, requeue, unpark, purge, check). In the selections, a

@@ -856,7 +856,13 @@ def test_tables_metadata_matches_the_database(engine: sa.Engine, names: TableNam
         migrate(engine, names)
     described = build_tables(names)
     inspector = sa.inspect(engine)
-    for table in (described.events, described.keys, described.seqs):
+    for table in (
+        described.events,
+        described.keys,
+        described.seqs,
+        described.arrivals,
+        described.versions,
+    ):
         schema = table.schema
         reflected = inspector.get_columns(table.name, schema=schema)
         assert [(c["name"], c["nullable"]) for c in reflected] == [
