@@ -69,12 +69,23 @@ def _check_migrations(conn: Connection, names: TableNames) -> CheckResult:
     if missing:
         listed = ", ".join(f"{v:04d}_{known[v]}" for v in missing)
         state = "is not migrated" if not applied else "is behind"
+        remedy = "run outbox-kafka migrate"
+        if not applied and _events_table_exists(conn, names):
+            # Made without migrate: from outbox_kafka.tables.metadata, by Alembic say.
+            state = "exists but was made without outbox-kafka migrate (no version recorded)"
+            remedy = "run outbox-kafka migrate --adopt"
         return CheckResult(
-            "migrations",
-            False,
-            f"{where} {state}: {len(missing)} pending ({listed}); run outbox-kafka migrate",
+            "migrations", False, f"{where} {state}: {len(missing)} pending ({listed}); {remedy}"
         )
     return CheckResult("migrations", True, f"{where} is at version {max(known)} (current)")
+
+
+def _events_table_exists(conn: Connection, names: TableNames) -> bool:
+    found = conn.execute(
+        queries_for(names)["table_exists"],
+        {"qualified_name": f'"{names.schema}"."{names.events}"'},
+    ).scalar_one()
+    return bool(found)
 
 
 def check_schemas(schema_dir: str | Path | None) -> CheckResult:

@@ -138,6 +138,8 @@ def test_tables_alembic_created_are_adopted_and_then_match_a_migrated_outbox(
     command.upgrade(config, "head")
     checked = run_cli("check", "--database-url", url, "--bootstrap-servers", kafka_bootstrap)
     assert checked.returncode == 1 and "FAIL migrations" in checked.stdout, checked.stdout
+    assert "made without outbox-kafka migrate" in checked.stdout
+    assert "run outbox-kafka migrate --adopt" in checked.stdout
 
     adopted = run_cli("migrate", "--adopt", "--database-url", url)
     assert adopted.returncode == 0, adopted.stdout + adopted.stderr
