@@ -26,6 +26,7 @@ from outbox_kafka.producer.checks import (
 from outbox_kafka.producer.data import DataEncoder, JsonDefault
 from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate
 from outbox_kafka.producer.ids import uuid7
+from outbox_kafka.producer.trace_context import current_traceparent
 from outbox_kafka.validation import CompiledSchema, EventSchemas, envelope_schema
 
 if TYPE_CHECKING:
@@ -141,7 +142,11 @@ class EventEncoder:
             event_id = check_event_id(event.event_id)
             id_text = str(event_id)
         subject = None if event.subject is None else check_attribute("subject", event.subject)
-        traceparent = None if event.traceparent is None else check_traceparent(event.traceparent)
+        traceparent = (
+            current_traceparent()
+            if event.traceparent is None
+            else check_traceparent(event.traceparent)
+        )
         available_at = (
             None if event.available_at is None else check_available_at(event.available_at)
         )

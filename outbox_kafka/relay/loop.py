@@ -30,6 +30,7 @@ from outbox_kafka.relay.settings import RelaySettings, redact_kafka_config
 from outbox_kafka.relay.sizing import worth_reading_ahead
 from outbox_kafka.relay.steps import Claimed, CycleSteps
 from outbox_kafka.relay.store import Store
+from outbox_kafka.relay.tracing import SendTracing
 from outbox_kafka.relay.waiting import Waiting
 
 log = logging.getLogger("outbox_kafka.relay")
@@ -50,6 +51,7 @@ class Relay:
         metrics: RelayMetrics | None = None,
         store: ClaimStore | None = None,
         publisher: MessagePublisher | None = None,
+        tracer_provider: object | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or RelayMetrics()
@@ -73,6 +75,7 @@ class Relay:
             self.policy,
             self._stop,
             self._past_shutdown_deadline,
+            SendTracing(tracer_provider),
         )
         self._waiting = Waiting(
             self.store.wakeups() if settings.listen else None, settings.poll_interval, self._stop

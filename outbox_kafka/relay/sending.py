@@ -27,6 +27,7 @@ from outbox_kafka.relay.policy import (
     Settlement,
     error_label,
 )
+from outbox_kafka.relay.tracing import SendTracing
 from outbox_kafka.relay.verdicts import Problem
 
 log = logging.getLogger("outbox_kafka.relay")
@@ -52,6 +53,7 @@ class BatchSender:
         dead_letter_topic: str | None,
         delivery_timeout: float,
         abort: Callable[[], bool],
+        tracing: SendTracing | None = None,
     ) -> None:
         self.publisher = publisher
         self.policy = policy
@@ -60,6 +62,7 @@ class BatchSender:
         self._delivery_timeout = delivery_timeout
         self._send_timeout = delivery_timeout + 5.0
         self._abort = abort
+        self._tracing = tracing or SendTracing()
 
     def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
         """Send the claimed events; decide every key's and event's next state."""
@@ -118,7 +121,10 @@ class BatchSender:
                 },
             )
             return [Delivery() for _ in messages]
-        return self.publisher.send(messages, timeout=self._send_timeout, abort=self._abort)
+        traced, spans = self._tracing.start(messages)
+        deliveries = self.publisher.send(traced, timeout=self._send_timeout, abort=self._abort)
+        self._tracing.finish(spans, deliveries)
+        return deliveries
 
     def _act_on(self, settled: Settlement) -> None:
         """Log and count one key's decisions, in its sequence order."""

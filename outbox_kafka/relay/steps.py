@@ -19,6 +19,7 @@ from outbox_kafka.relay.retrying import DatabaseRetry
 from outbox_kafka.relay.sending import BatchSender, SentBatch
 from outbox_kafka.relay.settings import RelaySettings
 from outbox_kafka.relay.sizing import ClaimSizer
+from outbox_kafka.relay.tracing import SendTracing
 from outbox_kafka.relay.verdicts import Problem
 
 log = logging.getLogger("outbox_kafka.relay")
@@ -47,6 +48,7 @@ class CycleSteps:
         policy: RetryPolicy,
         stopping: threading.Event,
         past_shutdown_deadline: Callable[[], bool],
+        tracing: SendTracing | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -62,6 +64,7 @@ class CycleSteps:
             dead_letter_topic=settings.dead_letter_topic,
             delivery_timeout=self.delivery_timeout,
             abort=past_shutdown_deadline,
+            tracing=tracing,
         )
         self.last_cycle_at: float | None = None
 
