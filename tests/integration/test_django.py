@@ -37,15 +37,21 @@ from tests.support import ORDER_CREATED, REPO, valid_event
 
 
 def _django_database(url: str, **options: Any) -> dict[str, Any]:
-    """Django's settings for the database at SQLAlchemy URL ``url``."""
+    """Django's settings for the database at SQLAlchemy URL ``url``.
+
+    A server on a Unix socket (embedded PostgreSQL) is named by the query's
+    ``host`` (the socket's directory) and ``port``.
+    """
     parsed = make_url(url)
+    query_host = parsed.query.get("host")
+    query_port = parsed.query.get("port")
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": parsed.database,
         "USER": parsed.username or "",
         "PASSWORD": parsed.password or "",
-        "HOST": parsed.host or "",
-        "PORT": str(parsed.port or ""),
+        "HOST": parsed.host or (str(query_host) if query_host else ""),
+        "PORT": str(parsed.port or query_port or ""),
         "OPTIONS": options,
     }
 
