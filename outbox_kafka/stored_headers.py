@@ -75,6 +75,7 @@ def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:
 _LIBRARY_HEADERS_HEAD = f'[["content-type", "{CONTENT_TYPE}"], ["ce_id", "'
 #: The headers after ``ce_id`` by the text after the id: the same for every
 #: event of one type and source without a traceparent or headers of its own.
+#: Filled by the claim threads of one process (dict operations are atomic).
 _header_tails: dict[str, tuple[tuple[str, bytes], ...]] = {}
 _HEADER_TAILS_KEPT = 256
 
@@ -95,7 +96,13 @@ def headers_from_text(stored: str) -> list[tuple[str, bytes]] | None:
             if known is not None:
                 return [CONTENT_TYPE_HEADER, ("ce_id", event_id.encode()), *known]
             headers = _read_headers_text(stored)
-            if headers is not None and len(_header_tails) < _HEADER_TAILS_KEPT:
+            # A tail with a traceparent (taken from the producer's span, say) is
+            # one event's own: kept, such tails would crowd out the shared ones.
+            if (
+                headers is not None
+                and len(_header_tails) < _HEADER_TAILS_KEPT
+                and '"traceparent"' not in tail
+            ):
                 _header_tails[tail] = tuple(headers[2:])
             return headers
     return _read_headers_text(stored)

@@ -214,14 +214,18 @@ class HealthChecks:
         database: see :meth:`RelayGroup.last_cycle_at`); readiness names each
         outbox's database check, ``database:<outbox>``.
         """
-        monitors = {
-            name: Monitor.connect(relay.settings.database_url, relay.settings.names)
-            for name, relay in group.relays.items()
-        }
+        monitors: dict[str, Monitor] = {}
 
         def close() -> None:
             for monitor in monitors.values():
                 monitor.close()
+
+        try:
+            for name, relay in group.relays.items():
+                monitors[name] = Monitor.connect(relay.settings.database_url, relay.settings.names)
+        except BaseException:
+            close()
+            raise
 
         return cls(
             last_cycle_at=group.last_cycle_at,

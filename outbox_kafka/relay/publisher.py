@@ -73,6 +73,16 @@ def _describe(err: KafkaError) -> str:
     return f"{err.name()}: {err.str()}"
 
 
+class _Reports:
+    """One batch's delivery reports: closed when its wait ends, after which they are ignored."""
+
+    __slots__ = ("closed", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+
 class Publisher:
     """Sends batches with an idempotent producer and reports each message's fate."""
 
@@ -192,7 +202,8 @@ class Publisher:
         # This batch stays on this producer, even if another loop replaces it meanwhile.
         producer = self._producer
         produce: Any = producer.produce
-        on_delivery = self._on_delivery
+        reports = _Reports()
+        on_delivery = partial(self._on_delivery, reports)
         for msg, delivery in zip(messages, deliveries, strict=True):
             if msg.key in held:
                 continue
@@ -219,7 +230,7 @@ class Publisher:
                     delivery.verdict = Verdict.RETRIABLE
                     delivery.error = str(exc)
                 held.add(msg.key)
-        self._wait(producer, deliveries, timeout, abort)
+        self._wait(producer, deliveries, timeout, abort, reports)
         return deliveries
 
     @staticmethod
@@ -234,16 +245,27 @@ class Publisher:
                 producer.poll(0.05)
 
     @staticmethod
-    def _on_delivery(delivery: Delivery, err: KafkaError | None, msg: Any) -> None:
-        delivery.reported = True
-        if err is None:
-            delivery.verdict = Verdict.DELIVERED
-            delivery.partition = msg.partition()
-            delivery.offset = msg.offset()
-        else:
-            delivery.verdict = _verdict(err)
-            delivery.error = _describe(err)
-            delivery.fatal = _needs_rebuild(err)
+    def _on_delivery(
+        reports: _Reports, delivery: Delivery, err: KafkaError | None, msg: Any
+    ) -> None:
+        """A delivery report, served by whichever loop's wait or poll runs it.
+
+        Ignored once the batch's wait has ended (its deliveries are being
+        decided on by then: the message counts as unreported); ``reported``
+        is set last, so a waiting loop never sees a report half written.
+        """
+        with reports.lock:
+            if reports.closed:
+                return
+            if err is None:
+                delivery.verdict = Verdict.DELIVERED
+                delivery.partition = msg.partition()
+                delivery.offset = msg.offset()
+            else:
+                delivery.verdict = _verdict(err)
+                delivery.error = _describe(err)
+                delivery.fatal = _needs_rebuild(err)
+            delivery.reported = True
 
     def _wait(
         self,
@@ -251,6 +273,7 @@ class Publisher:
         deliveries: list[Delivery],
         timeout: float,
         abort: Callable[[], bool] | None,
+        reports: _Reports,
     ) -> None:
         """Serve delivery reports until each of ``deliveries`` has one, or the time is up.
 
@@ -272,6 +295,8 @@ class Publisher:
             if left <= 0 or (abort is not None and abort()):
                 break
             fatal = self._flush(producer, min(slice_seconds, left))
+        with reports.lock:
+            reports.closed = True
         for d in deliveries:
             if d.sent and not d.reported:
                 d.error = "NO_REPORT: no delivery report before the relay's wait ran out"

@@ -17,6 +17,9 @@ log = logging.getLogger("outbox_kafka.relay")
 
 T = TypeVar("T")
 
+#: A database step unanswered this long counts as waiting for the database.
+SLOW_STEP_SECONDS = 5.0
+
 
 class DatabaseRetry:
     """Runs a database step until it succeeds or the relay may give it up.
@@ -34,8 +37,21 @@ class DatabaseRetry:
         self._stopping = stopping
         self._past_deadline = past_shutdown_deadline
         self._metrics = metrics
-        #: Whether a step is waiting for the database to answer again (between retries).
-        self.waiting = False
+        #: By thread (the claim and the record run on their own): when its step began.
+        self._running_since: dict[int, float] = {}
+        #: Threads whose step failed and waits to be retried.
+        self._failing: set[int] = set()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a step waits for the database: failed and retrying, or long unanswered.
+
+        A connection to a host that vanished without a reset hangs until the
+        operating system gives up, with no error to retry on meanwhile.
+        """
+        now = time.monotonic()
+        running = list(self._running_since.values())
+        return bool(self._failing) or any(now - began > SLOW_STEP_SECONDS for began in running)
 
     def run(
         self,
@@ -45,6 +61,7 @@ class DatabaseRetry:
         give_up: Callable[[], bool] = lambda: False,
     ) -> T:
         """``action()``, retried on StorageError; ``give_up`` may end the retries sooner."""
+        me = threading.get_ident()
 
         def should_stop(state: RetryCallState) -> bool:
             if give_up():
@@ -54,7 +71,7 @@ class DatabaseRetry:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             self._metrics.db_errors.inc()
-            self.waiting = True
+            self._failing.add(me)
             log.warning(
                 "database error, retrying",
                 extra={"action": "db_retry", "attempt": state.attempt_number, "error": str(exc)},
@@ -74,6 +91,9 @@ class DatabaseRetry:
             sleep=sleep,
             reraise=True,
         )
-        result = retrying(action)
-        self.waiting = False
-        return result
+        self._running_since[me] = time.monotonic()
+        try:
+            return retrying(action)
+        finally:
+            self._running_since.pop(me, None)
+            self._failing.discard(me)

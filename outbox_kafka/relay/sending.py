@@ -122,8 +122,12 @@ class BatchSender:
             )
             return [Delivery() for _ in messages]
         traced, spans = self._tracing.start(messages)
-        deliveries = self.publisher.send(traced, timeout=self._send_timeout, abort=self._abort)
-        self._tracing.finish(spans, deliveries)
+        deliveries: list[Delivery] = []
+        try:
+            deliveries = self.publisher.send(traced, timeout=self._send_timeout, abort=self._abort)
+        finally:
+            # Spans without a delivery (the send raised) end as failed.
+            self._tracing.finish(spans, deliveries + [Delivery()] * (len(spans) - len(deliveries)))
         return deliveries
 
     def _act_on(self, settled: Settlement) -> None:

@@ -97,7 +97,7 @@ class SendTracing:
     @staticmethod
     def finish(spans: Sequence[Any], deliveries: Sequence[Delivery]) -> None:
         """End each span with its message's fate."""
-        for span, delivery in zip(spans, deliveries, strict=False):
+        for span, delivery in zip(spans, deliveries, strict=True):
             if delivery.verdict is Verdict.DELIVERED:
                 span.set_attribute("messaging.destination.partition.id", str(delivery.partition))
                 span.set_attribute("messaging.kafka.offset", delivery.offset)

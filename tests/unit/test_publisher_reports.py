@@ -1,0 +1,80 @@
+"""Delivery reports served by another loop's wait: whole, and never after the wait ended."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from outbox_kafka.relay.boundaries import Message
+from outbox_kafka.relay.publisher import Publisher
+from outbox_kafka.relay.verdicts import Verdict
+
+
+class _Reported:
+    def __init__(self, partition: int, offset: int) -> None:
+        self._partition, self._offset = partition, offset
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+
+class HeldProducer:
+    """Takes messages and reports them only when told: as a broker that answers late."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def produce(self, topic: str, value: bytes, key: bytes, **kwargs: Any) -> None:
+        self.callbacks.append(kwargs["on_delivery"])
+
+    def flush(self, timeout: float) -> int:
+        threading.Event().wait(min(timeout, 0.01))
+        return len(self.callbacks)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        return self.report_all()
+
+    def report_all(self) -> int:
+        served, self.callbacks = self.callbacks, []
+        for offset, callback in enumerate(served):
+            callback(None, _Reported(0, offset))
+        return len(served)
+
+
+def _publisher(producer: HeldProducer) -> Publisher:
+    publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {})
+    publisher._producer = producer  # type: ignore[assignment]
+    return publisher
+
+
+MESSAGES = [Message("t", b"k", b"{}", []), Message("t", b"j", b"{}", [])]
+
+
+def test_a_report_served_after_the_wait_ended_changes_nothing() -> None:
+    producer = HeldProducer()
+    publisher = _publisher(producer)
+    deliveries = publisher.send(MESSAGES, timeout=0.05, abort=lambda: False)
+    assert [(d.sent, d.reported) for d in deliveries] == [(True, False), (True, False)]
+    # Another loop's poll serves the late reports while this batch is being decided on.
+    producer.report_all()
+    assert [(d.reported, d.verdict, d.partition) for d in deliveries] == [
+        (False, Verdict.RETRIABLE, None),
+        (False, Verdict.RETRIABLE, None),
+    ]
+    assert all(d.error and d.error.startswith("NO_REPORT") for d in deliveries)
+
+
+def test_reports_served_by_another_thread_during_the_wait_arrive_whole() -> None:
+    producer = HeldProducer()
+    publisher = _publisher(producer)
+    other = threading.Timer(0.05, producer.report_all)
+    other.start()
+    deliveries = publisher.send(MESSAGES, timeout=5.0, abort=lambda: False)
+    other.join()
+    assert [(d.reported, d.verdict, d.partition, d.offset) for d in deliveries] == [
+        (True, Verdict.DELIVERED, 0, 0),
+        (True, Verdict.DELIVERED, 0, 1),
+    ]
