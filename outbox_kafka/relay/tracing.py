@@ -96,7 +96,9 @@ class SendTracing:
 
     @staticmethod
     def finish(spans: Sequence[Any], deliveries: Sequence[Delivery]) -> None:
-        """End each span with its message's fate."""
+        """End each span with its message's fate (no spans: tracing is off)."""
+        if not spans:
+            return
         for span, delivery in zip(spans, deliveries, strict=True):
             if delivery.verdict is Verdict.DELIVERED:
                 span.set_attribute("messaging.destination.partition.id", str(delivery.partition))
