@@ -23,6 +23,7 @@ from outbox_kafka.producer.checks import (
     check_traceparent,
     check_type,
 )
+from outbox_kafka.producer.content_modes import ContentMode, binary_message
 from outbox_kafka.producer.data import DataEncoder, JsonDefault
 from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate
 from outbox_kafka.producer.ids import uuid7
@@ -75,8 +76,11 @@ class EventEncoder:
         max_key_bytes: int,
         max_message_bytes: int,
         json_default: JsonDefault | None = None,
+        content_mode: ContentMode = "structured",
     ) -> None:
         self._data = DataEncoder(json_default)
+        #: The CloudEvents Kafka content mode events are stored in (content_modes.py).
+        self.content_mode = content_mode
         #: The source of events that name none; checked by the caller.
         self.source = source
         self.routes = routes
@@ -171,9 +175,14 @@ class EventEncoder:
         problem = envelope_schema().problem({**envelope, "data": None})
         if problem is not None:
             raise EnvelopeInvalid("envelope", problem)
-        headers, stored_headers, header_bytes = kind.template.headers(
-            id_text, traceparent, own_headers
-        )
+        if self.content_mode == "binary":
+            value, headers, stored_headers, header_bytes = binary_message(
+                envelope, data_json, own_headers
+            )
+        else:
+            headers, stored_headers, header_bytes = kind.template.headers(
+                id_text, traceparent, own_headers
+            )
         size = len(key_bytes) + len(value) + header_bytes
         if size > self.max_message_bytes:
             raise MessageTooLarge(

@@ -16,6 +16,7 @@ from outbox_kafka.errors import ConfigurationError, DuplicateEventId, EventError
 from outbox_kafka.limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.checks import HeadersInput, check_attribute, check_topic
+from outbox_kafka.producer.content_modes import ContentMode, check_content_mode
 from outbox_kafka.producer.data import JsonDefault
 from outbox_kafka.producer.encoding import EventEncoder
 from outbox_kafka.producer.envelope import EncodedEvent
@@ -80,6 +81,7 @@ class Outbox:
         notify: bool = True,
         registry: CollectorRegistry | None = None,
         json_default: JsonDefault | None = None,
+        content_mode: ContentMode = "structured",
     ) -> None:
         if max_key_bytes < 1:
             raise ConfigurationError(f"max_key_bytes must be at least 1, got {max_key_bytes}")
@@ -102,6 +104,7 @@ class Outbox:
             max_key_bytes=max_key_bytes,
             max_message_bytes=max_message_bytes,
             json_default=json_default,
+            content_mode=check_content_mode(content_mode),
         )
         self._writer = OutboxWriter(self._names, notify=notify)
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.

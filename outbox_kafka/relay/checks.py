@@ -48,6 +48,35 @@ def check_envelope(value: bytes | str, event_id: str, key: str) -> str | None:
     return None
 
 
+def is_binary_mode(headers: list[tuple[str, bytes]]) -> bool:
+    """Whether stored headers are of an event in binary content mode.
+
+    Such an event's ``content-type`` is its data's, not the CloudEvents
+    format's, and its attributes are ``ce_`` headers (producer/content_modes.py).
+    """
+    for name, value in headers:
+        if name == "content-type":
+            return not value.startswith(b"application/cloudevents")
+    return False
+
+
+def check_binary_attributes(
+    headers: list[tuple[str, bytes]], event_id: str, key: str
+) -> str | None:
+    """Why the ``ce_`` headers of a binary-mode event are not sendable, or None."""
+    found = {name: value for name, value in headers if name.startswith("ce_")}
+    for name in ("ce_specversion", "ce_id", "ce_source", "ce_type"):
+        if not found.get(name):
+            return f"binary mode: no {name} header"
+    if found["ce_specversion"] != b"1.0":
+        return "binary mode: ce_specversion is not 1.0"
+    if found["ce_id"] != event_id.encode():
+        return "binary mode: ce_id does not match the event id"
+    if found.get("ce_partitionkey") != key.encode("utf-8"):
+        return "binary mode: ce_partitionkey does not match the ordering key"
+    return None
+
+
 class EventChecks:
     """Checks one event on its own: topic name, envelope, stored headers, size."""
 
@@ -63,15 +92,19 @@ class EventChecks:
             except EventError as exc:
                 return Verdict.PERMANENT, f"INVALID_TOPIC: {exc.reason}"
             self._valid_topics.add(event.topic)
-        text = event.text
-        problem = check_envelope(event.value if text is None else text, event.event_id, event.key)
-        if problem is not None:
-            return Verdict.PERMANENT, f"INVALID_ENVELOPE: {problem}"
         if event.headers is None:
             return (
                 Verdict.PERMANENT,
                 "INVALID_HEADERS: the stored headers are not [[name, value], ...]",
             )
+        if is_binary_mode(event.headers):
+            problem = check_binary_attributes(event.headers, event.event_id, event.key)
+        else:
+            text = event.text
+            value = event.value if text is None else text
+            problem = check_envelope(value, event.event_id, event.key)
+        if problem is not None:
+            return Verdict.PERMANENT, f"INVALID_ENVELOPE: {problem}"
         size = message_size(key, event.value, event.headers)
         if size > self.max_message_bytes:
             return (
