@@ -10,11 +10,12 @@ from outbox_kafka import operations
 from outbox_kafka.database import NO_DATABASE_URL, redact_url, short_command_engine, url_secrets
 from outbox_kafka.errors import OutboxError
 from outbox_kafka.logs import register_secrets
+from outbox_kafka.naming import TableNames
 from outbox_kafka.relay.outboxes import OutboxTarget
 from outbox_kafka.relay.settings import RelaySettings
 
 from . import reports
-from .operator_commands import cmd_check_consistency, operator_engine
+from .operator_commands import cmd_check_consistency
 from .options import add_option, add_output_flags, names_from
 from .relay_command import add_relay_parser, outbox_targets, relay_settings
 
@@ -68,19 +69,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     else:
         try:
             names = names_from(args)
-            engine = operator_engine(args, connect_timeout=timeout)
         except OutboxError as exc:
             results.append(check("database", False, str(exc)))
             results.append(check("migrations", False, "not checked: fix the settings first"))
         else:
-            try:
-                results.extend(
-                    operations.check_database(
-                        engine, names, shown_url=redact_url(args.database_url)
-                    )
-                )
-            finally:
-                engine.dispose()
+            results.extend(_check_database(args.database_url, names, timeout))
 
     if settings is None:
         results.append(check("kafka", False, "not checked: fix the settings first"))
@@ -109,19 +102,25 @@ def _tables(settings: RelaySettings, targets: list[OutboxTarget] | None) -> str:
     return f"{len(targets)} outboxes ({listed})"
 
 
+def _check_database(url: str, names: TableNames, timeout: float) -> list[operations.CheckResult]:
+    """The database and migration checks of the outbox ``names`` at ``url``."""
+    register_secrets(url_secrets(url))
+    try:
+        engine = short_command_engine(url, connect_timeout=timeout)
+    except OutboxError as exc:
+        return [
+            operations.CheckResult("database", False, str(exc)),
+            operations.CheckResult("migrations", False, "not checked: fix the settings first"),
+        ]
+    try:
+        return list(operations.check_database(engine, names, shown_url=redact_url(url)))
+    finally:
+        engine.dispose()
+
+
 def _check_outbox_database(target: OutboxTarget, timeout: float) -> list[operations.CheckResult]:
     """The database and migration checks of one outbox of ``--outboxes-file``, named for it."""
-    register_secrets(url_secrets(target.database_url))
-    shown = redact_url(target.database_url)
-    try:
-        engine = short_command_engine(target.database_url, connect_timeout=timeout)
-    except OutboxError as exc:
-        found = [operations.CheckResult("database", False, str(exc))]
-    else:
-        try:
-            found = list(operations.check_database(engine, target.names, shown_url=shown))
-        finally:
-            engine.dispose()
+    found = _check_database(target.database_url, target.names, timeout)
     return [dataclasses.replace(r, name=f"{r.name} [{target.name}]") for r in found]
 
 

@@ -39,13 +39,7 @@ class RelayGroup:
             raise ValueError("a relay group needs at least one outbox")
         self.settings = shared
         self.metrics = {t.name: RelayMetrics(CollectorRegistry()) for t in targets}
-        self.publisher = Publisher(
-            shared.producer_config(),
-            shared.admin_config(),
-            create_partitions=shared.create_topics,
-            stats_callback=self._observe_librdkafka_stats,
-            metadata_timeout=min(5.0, shared.lease_seconds / 4),
-        )
+        self.publisher = Publisher.for_settings(shared, self._observe_librdkafka_stats)
         self.relays: dict[str, Relay] = {}
         try:
             for target in targets:

@@ -57,12 +57,8 @@ class Relay:
         self.metrics = metrics or RelayMetrics()
         self.metrics.set_info(settings)
         self.store: ClaimStore = store or Store(settings.database_url, settings.names)
-        self.publisher: MessagePublisher = publisher or Publisher(
-            settings.producer_config(),
-            settings.admin_config(),
-            create_partitions=settings.create_topics,
-            stats_callback=self.metrics.observe_librdkafka_stats,
-            metadata_timeout=min(5.0, settings.lease_seconds / 4),
+        self.publisher: MessagePublisher = publisher or Publisher.for_settings(
+            settings, self.metrics.observe_librdkafka_stats
         )
         self._stop = threading.Event()
         self._stop_deadline: float | None = None

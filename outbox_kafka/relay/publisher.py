@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -23,6 +23,9 @@ from outbox_kafka.limits import KAFKA_MESSAGE_MAX_BYTES
 from outbox_kafka.logs import librdkafka_logger
 from outbox_kafka.relay.boundaries import Delivery, Message
 from outbox_kafka.relay.verdicts import Problem, Verdict
+
+if TYPE_CHECKING:
+    from outbox_kafka.relay.settings import RelaySettings
 
 log = logging.getLogger("outbox_kafka.publisher")
 
@@ -114,6 +117,19 @@ class Publisher:
         self._lock = threading.Lock()
         self._producer = self._new_producer()
         self._admin: AdminClient | None = None
+
+    @classmethod
+    def for_settings(
+        cls, settings: RelaySettings, stats_callback: Callable[[str], None] | None = None
+    ) -> Publisher:
+        """The publisher of a relay with ``settings`` (one outbox, or several sharing it)."""
+        return cls(
+            settings.producer_config(),
+            settings.admin_config(),
+            create_partitions=settings.create_topics,
+            stats_callback=stats_callback,
+            metadata_timeout=min(5.0, settings.lease_seconds / 4),
+        )
 
     def _new_producer(self) -> Producer:
         try:
