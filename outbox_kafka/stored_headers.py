@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Callable
 
 #: The structured-mode content type: the first header of every event the library writes.
@@ -18,6 +19,8 @@ CONTENT_TYPE = "application/cloudevents+json"
 CONTENT_TYPE_HEADER = ("content-type", CONTENT_TYPE.encode())
 
 _json_string: Callable[[str], str] = json.encoder.encode_basestring
+#: Characters JSON strings may not hold unescaped (jsonb prints them escaped).
+_CONTROL = re.compile("[\x00-\x1f]")
 
 
 def stored_header(name: str, value: bytes) -> str:
@@ -71,39 +74,58 @@ def headers_from_json(stored: object) -> list[tuple[str, bytes]] | None:
     return headers
 
 
-#: How jsonb prints the stored headers of every event the library wrote, up to its id.
-_LIBRARY_HEADERS_HEAD = f'[["content-type", "{CONTENT_TYPE}"], ["ce_id", "'
-#: The headers after ``ce_id`` by the text after the id: the same for every
-#: event of one type and source without a traceparent or headers of its own.
-#: Filled by the claim threads of one process (dict operations are atomic).
-_header_tails: dict[str, tuple[tuple[str, bytes], ...]] = {}
+#: How jsonb prints the stored headers of a structured-mode event with no other header.
+_CONTENT_TYPE_ONLY = f'[["content-type", "{CONTENT_TYPE}"]]'
+#: How jsonb prints the stored headers of a structured-mode event with more, up to the
+#: second header's name.
+_STRUCTURED_HEAD = f'[["content-type", "{CONTENT_TYPE}"], ["'
+#: The headers from the second on, by the text around the second's value (the event's
+#: id, under the outbox's id header or, in events stored by earlier versions, ``ce_id``):
+#: the same for every event of one kind. Filled by the claim threads of one process
+#: (dict operations are atomic).
+_header_tails: dict[tuple[str, str], tuple[tuple[str, bytes], ...]] = {}
 _HEADER_TAILS_KEPT = 256
 
 
 def headers_from_text(stored: str) -> list[tuple[str, bytes]] | None:
     """The headers to send from jsonb's text form of the stored headers; None when malformed.
 
-    Events of one type and source differ only in their id, so what follows
-    the id is read once and kept (for a bounded number of such tails).
+    Events of one kind differ at most in their second header's value (their
+    id), so what comes around it is read once and kept (for a bounded number
+    of such forms).
     """
-    if stored.startswith(_LIBRARY_HEADERS_HEAD):
-        start = len(_LIBRARY_HEADERS_HEAD)
-        end = stored.find('"', start)
-        event_id = stored[start:end]
-        if end > 0 and "\\" not in event_id:
-            tail = stored[end:]
-            known = _header_tails.get(tail)
-            if known is not None:
-                return [CONTENT_TYPE_HEADER, ("ce_id", event_id.encode()), *known]
+    if stored == _CONTENT_TYPE_ONLY:
+        return [CONTENT_TYPE_HEADER]
+    if stored.startswith(_STRUCTURED_HEAD):
+        name_start = len(_STRUCTURED_HEAD)
+        name_end = stored.find('", "', name_start)
+        value_end = stored.find('"', name_end + 4)
+        # With no quote in the name and no backslash before the value's end, the name
+        # and the value are the text between the quotes, exactly.
+        if (
+            name_end > 0
+            and value_end > 0
+            and '"' not in stored[name_start:name_end]
+            and "\\" not in stored[:value_end]
+        ):
+            form = (stored[:name_end], stored[value_end:])
+            known = _header_tails.get(form)
+            text = stored[name_end + 4 : value_end]
+            if known is not None and _CONTROL.search(text) is None:
+                try:
+                    return [CONTENT_TYPE_HEADER, (known[0][0], text.encode()), *known[1:]]
+                except UnicodeEncodeError:
+                    return None
             headers = _read_headers_text(stored)
-            # A tail with a traceparent (taken from the producer's span, say) is
-            # one event's own: kept, such tails would crowd out the shared ones.
+            # A form with a traceparent (taken from the producer's span, say) is
+            # one event's own: kept, such forms would crowd out the shared ones.
             if (
                 headers is not None
+                and len(headers) > 1
                 and len(_header_tails) < _HEADER_TAILS_KEPT
-                and '"traceparent"' not in tail
+                and '"traceparent"' not in form[1]
             ):
-                _header_tails[tail] = tuple(headers[2:])
+                _header_tails[form] = tuple(headers[1:])
             return headers
     return _read_headers_text(stored)
 
@@ -119,7 +141,7 @@ def _read_headers_text(stored: str) -> list[tuple[str, bytes]] | None:
     """
     if stored == "[]":
         return []
-    if "\\" not in stored and "{" not in stored:
+    if "\\" not in stored and "{" not in stored and _CONTROL.search(stored) is None:
         parts = stored.split('"')
         # [[ name , value ], [ name , value ]]  ->  4 parts per header, plus the ends.
         count = len(parts) >> 2
@@ -130,7 +152,11 @@ def _read_headers_text(stored: str) -> list[tuple[str, bytes]] | None:
             and parts[2::4].count(", ") == count
             and parts[4::4].count("], [") == count - 1
         ):
-            return list(zip(parts[1::4], [value.encode() for value in parts[3::4]], strict=True))
+            try:
+                values = [value.encode() for value in parts[3::4]]
+            except UnicodeEncodeError:
+                return None  # a lone surrogate: not text jsonb prints
+            return list(zip(parts[1::4], values, strict=True))
     try:
         return headers_from_json(json.loads(stored))
     except (ValueError, RecursionError):

@@ -108,8 +108,17 @@ class Record:
     offset: int
 
     @property
-    def ce_id(self) -> str:
-        return self.headers["ce_id"].decode()
+    def event_id(self) -> str:
+        """The event's id: a dead-letter copy's ``outbox_event_id`` header, the envelope's
+        ``id`` in structured mode, the ``ce_id`` header in binary mode; empty when the
+        message has none of them."""
+        copied = self.headers.get("outbox_event_id")
+        if copied is not None:
+            return copied.decode()
+        if self.headers.get("content-type", b"").startswith(b"application/cloudevents"):
+            found = self.value.get("id") if isinstance(self.value, dict) else None
+            return found if isinstance(found, str) else ""
+        return self.headers.get("ce_id", b"").decode()
 
 
 def _partitions(consumer: Consumer, topic: str, timeout: float) -> list[int]:
@@ -188,7 +197,7 @@ class TopicReader:
                 got += 1
 
     def until(self, expected: int, timeout: float) -> list[Record]:
-        """Read until ``expected`` distinct ce_ids have arrived, or ``timeout`` runs out."""
+        """Read until ``expected`` distinct event ids have arrived, or ``timeout`` runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and len(self.distinct_ids()) < expected:
             self.poll(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -201,14 +210,14 @@ class TopicReader:
         return self.records
 
     def distinct_ids(self) -> set[str]:
-        return {r.ce_id for r in self.records if "ce_id" in r.headers}
+        return {r.event_id for r in self.records if r.event_id}
 
     def close(self) -> None:
         self._consumer.close()
 
 
 def consume_all(bootstrap: str, topic: str, expected: int, timeout: float = 60.0) -> list[Record]:
-    """Every record of ``topic``: waits for ``expected`` distinct ce_ids, then for quiet.
+    """Every record of ``topic``: waits for ``expected`` distinct event ids, then for quiet.
 
     The quiet period catches duplicates and extra messages beyond ``expected``.
     """
@@ -508,7 +517,7 @@ def missing_from_topic(engine: sa.Engine, records: Sequence[Record]) -> str:
     """Why delivered events are not among ``records``: where the relay recorded them
     and what the topic holds at those positions. For failure messages."""
     by_position = {(r.partition, r.offset): r for r in records}
-    read = {r.ce_id for r in records if "ce_id" in r.headers}
+    read = {r.event_id for r in records if r.event_id}
     delivered = rows(
         engine,
         "SELECT event_id::text AS id, ordering_key, seq, attempts, kafka_partition, "
@@ -518,7 +527,7 @@ def missing_from_topic(engine: sa.Engine, records: Sequence[Record]) -> str:
     lines = [f"{len(missing)} delivered events are not in the topic ({len(records)} records read)"]
     for r in missing[:12]:
         there = by_position.get((r.kafka_partition, r.kafka_offset))
-        holds = "nothing" if there is None else f"{there.ce_id} (key {there.key})"
+        holds = "nothing" if there is None else f"{there.event_id} (key {there.key})"
         lines.append(
             f"  {r.id} key {r.ordering_key} seq {r.seq} attempts {r.attempts}: recorded at "
             f"[{r.kafka_partition}]@{r.kafka_offset}, the topic holds {holds} there"
@@ -549,12 +558,12 @@ def discarded_count(engine: sa.Engine) -> int:
 
 
 def first_occurrences(records: Sequence[Record]) -> list[Record]:
-    """Records in consumption order with repeats of an already seen ce_id dropped."""
+    """Records in consumption order with repeats of an already seen event id dropped."""
     seen: set[str] = set()
     out = []
     for r in records:
-        if r.ce_id not in seen:
-            seen.add(r.ce_id)
+        if r.event_id not in seen:
+            seen.add(r.event_id)
             out.append(r)
     return out
 
@@ -564,11 +573,11 @@ def by_partition_offset(records: Sequence[Record]) -> list[Record]:
 
 
 def per_key_order(records: Sequence[Record]) -> dict[str, list[str]]:
-    """ce_ids per key in Kafka order (partition, offset), first occurrence of each."""
+    """Event ids per key in Kafka order (partition, offset), first occurrence of each."""
     order: dict[str, list[str]] = {}
     for r in first_occurrences(by_partition_offset(records)):
         assert r.key is not None
-        order.setdefault(r.key, []).append(r.ce_id)
+        order.setdefault(r.key, []).append(r.event_id)
     return order
 
 

@@ -175,6 +175,13 @@ BAD_INPUTS: list[BadInput] = [
     ),
     BadInput("header-ce-id", {"headers": {"ce_id": "x"}}, InvalidHeaders, "headers", ("ce_id",)),
     BadInput(
+        "header-ce-extension",
+        {"headers": {"ce_tenant": "x"}},
+        InvalidHeaders,
+        "headers",
+        ("ce_tenant", "binary mode"),
+    ),
+    BadInput(
         "header-content-type",
         {"headers": [("content-type", "text/plain")]},
         InvalidHeaders,

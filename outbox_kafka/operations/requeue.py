@@ -81,7 +81,7 @@ def requeue(
     parked key and not that one is refused (:class:`InvalidSelection`), so a
     requeue never silently skips a parked event. A key a relay is working on
     is taken back from it; that relay's batch for the key is sent again once
-    its lease ends (a duplicate the consumer removes by ``ce_id``). With
+    its lease ends (a duplicate the consumer removes by its event id). With
     ``dry_run`` nothing changes and the result says what would be done.
     """
     selection.require("discarded events")

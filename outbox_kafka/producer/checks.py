@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 from outbox_kafka.errors import (
+    ConfigurationError,
     InvalidAttribute,
     InvalidEventType,
     InvalidHeaders,
@@ -170,8 +171,40 @@ def check_delay(value: object, available_at: object) -> float:
     return value.total_seconds()
 
 
-def check_headers(headers: object) -> list[tuple[str, bytes]]:
-    """Normalise producer headers to ``[(name, bytes)]``, in the order given."""
+#: Header names the Kafka binding of CloudEvents gives to attributes.
+_ATTRIBUTE_PREFIX = "ce_"
+
+
+def check_id_header(name: object) -> str | None:
+    """Check the name of the header an outbox puts each event's id in (``Outbox(id_header=)``)."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"id_header must be a non-empty str, not {name!r}")
+    if any(c.isspace() or not c.isprintable() for c in name):
+        raise ConfigurationError(f"id_header {name!r} holds a space or a control character")
+    if name.lower().startswith(_ATTRIBUTE_PREFIX):
+        raise ConfigurationError(
+            f"id_header {name!r} starts with {_ATTRIBUTE_PREFIX!r}: such headers are "
+            "CloudEvents attributes in the Kafka binding, and a reader that finds one "
+            "takes a structured message for binary mode (Debezium's outbox router uses 'id')"
+        )
+    if name.lower() in RESERVED_HEADERS:
+        raise ConfigurationError(f"id_header {name!r} is a header outbox-kafka sets itself")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigurationError(f"id_header {name!r} is not valid Unicode") from None
+    return name
+
+
+def check_headers(headers: object, id_header: str | None = None) -> list[tuple[str, bytes]]:
+    """Normalise producer headers to ``[(name, bytes)]``, in the order given.
+
+    Names the library sets are refused: ``content-type``, ``traceparent``,
+    the outbox's ``id_header``, and every ``ce_`` name (CloudEvents attributes,
+    which would make readers take the message for binary mode).
+    """
     if headers is None:
         return []
     if isinstance(headers, Mapping):
@@ -191,8 +224,21 @@ def check_headers(headers: object) -> list[tuple[str, bytes]]:
             raise InvalidHeaders("headers", f"header name {name!r} must be a non-empty str")
         if "\x00" in name:
             raise InvalidHeaders("headers", f"header name {name!r} contains a NUL character")
-        if name.lower() in RESERVED_HEADERS:
+        lowered = name.lower()
+        if lowered in RESERVED_HEADERS:
             raise InvalidHeaders("headers", f"header {name!r} is set by outbox-kafka itself")
+        if lowered.startswith(_ATTRIBUTE_PREFIX):
+            raise InvalidHeaders(
+                "headers",
+                f"header {name!r}: names starting with {_ATTRIBUTE_PREFIX!r} are CloudEvents "
+                "attributes in the Kafka binding (a reader that finds one takes the message "
+                "for binary mode); choose another name",
+            )
+        if id_header is not None and lowered == id_header.lower():
+            raise InvalidHeaders(
+                "headers",
+                f"header {name!r} is the outbox's id_header: outbox-kafka sets it to the event id",
+            )
         if isinstance(value, bytes):
             encoded = value
         elif isinstance(value, str):

@@ -47,12 +47,14 @@ def binary_message(
     envelope: dict[str, Any],
     data_json: str,
     own: list[tuple[str, bytes]],
+    id_header: str | None = None,
 ) -> tuple[bytes, list[tuple[str, bytes]], str, int]:
     """The value, headers, stored headers and header bytes of an event in binary mode.
 
     ``envelope`` holds the event's attributes (checked); ``data_json`` its
     payload as JSON text. A W3C ``traceparent`` header follows the ``ce_``
-    headers when the event has one, for tracing tools that read that header.
+    headers when the event has one, for tracing tools that read that header,
+    then the id under ``id_header`` when the outbox has one.
     """
     headers: list[tuple[str, bytes]] = [
         ("content-type", str(envelope["datacontenttype"]).encode("utf-8"))
@@ -63,6 +65,8 @@ def binary_message(
             headers.append((f"ce_{name}", str(value).encode("utf-8")))
     if envelope.get("traceparent") is not None:
         headers.append(("traceparent", str(envelope["traceparent"]).encode("ascii")))
+    if id_header is not None:
+        headers.append((id_header, str(envelope["id"]).encode("ascii")))
     for name, value in own:
         try:
             value.decode("utf-8")

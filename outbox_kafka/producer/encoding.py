@@ -25,7 +25,7 @@ from outbox_kafka.producer.checks import (
 )
 from outbox_kafka.producer.content_modes import ContentMode, binary_message
 from outbox_kafka.producer.data import DataEncoder, JsonDefault
-from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate
+from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, structured_headers
 from outbox_kafka.producer.ids import uuid7
 from outbox_kafka.producer.trace_context import current_traceparent
 from outbox_kafka.validation import CompiledSchema, EventSchemas, envelope_schema
@@ -77,10 +77,13 @@ class EventEncoder:
         max_message_bytes: int,
         json_default: JsonDefault | None = None,
         content_mode: ContentMode = "structured",
+        id_header: str | None = None,
     ) -> None:
         self._data = DataEncoder(json_default)
         #: The CloudEvents Kafka content mode events are stored in (content_modes.py).
         self.content_mode = content_mode
+        #: The header each event's id is also sent in, if any; checked by the caller.
+        self.id_header = id_header
         #: The source of events that name none; checked by the caller.
         self.source = source
         self.routes = routes
@@ -155,7 +158,7 @@ class EventEncoder:
             None if event.available_at is None else check_available_at(event.available_at)
         )
         delay = None if event.delay is None else check_delay(event.delay, available_at)
-        own_headers = check_headers(event.headers)
+        own_headers = check_headers(event.headers, self.id_header)
 
         data_json = self._data.encode(event.data)
         if kind.unknown and self.schemas is not None:
@@ -177,11 +180,11 @@ class EventEncoder:
             raise EnvelopeInvalid("envelope", problem)
         if self.content_mode == "binary":
             value, headers, stored_headers, header_bytes = binary_message(
-                envelope, data_json, own_headers
+                envelope, data_json, own_headers, self.id_header
             )
         else:
-            headers, stored_headers, header_bytes = kind.template.headers(
-                id_text, traceparent, own_headers
+            headers, stored_headers, header_bytes = structured_headers(
+                id_text, traceparent, own_headers, self.id_header
             )
         size = len(key_bytes) + len(value) + header_bytes
         if size > self.max_message_bytes:

@@ -2,8 +2,10 @@
 
 An event is encoded once, at enqueue time, into exactly the bytes and headers
 the relay will send: the value is the structured-mode JSON envelope, and the
-headers carry the envelope's identity so consumers can route and deduplicate
-without parsing the value. Its attributes arrive checked
+headers are ``content-type: application/cloudevents+json``, the event id under
+the outbox's ``id_header`` when it has one, ``traceparent`` when the event has
+one, then the producer's own. No ``ce_`` header: a reader that finds one takes
+the message for binary mode. Its attributes arrive checked
 (:mod:`outbox_kafka.producer.checks`).
 """
 
@@ -59,27 +61,23 @@ class EncodedEvent(NamedTuple):
 
 #: Every envelope starts so, and then comes its id.
 _ENVELOPE_HEAD = '{"specversion":' + _json_string(SPEC_VERSION) + ',"id":"'
-#: The length of an id's text form, the value of the ``ce_id`` header.
-_ID_TEXT_BYTES = 36
+_CONTENT_TYPE_BYTES = len(CONTENT_TYPE_HEADER[0]) + len(CONTENT_TYPE_HEADER[1])
 
 
 class EnvelopeTemplate:
-    """What the envelopes and headers of one event type from one source share.
+    """What the envelopes of one event type from one source share.
 
     Made once per (type, source, dataschema) and kept, so that encoding an
     event only splices in what is its own: id, time, key, subject,
-    traceparent, payload and the producer's headers. The result is the same,
-    byte for byte, as encoding every attribute one by one. ``event_type`` and
-    ``source`` must have been checked (``check_type``, ``check_attribute``).
+    traceparent and payload. The result is the same, byte for byte, as
+    encoding every attribute one by one. ``event_type`` and ``source`` must
+    have been checked (``check_type``, ``check_attribute``).
     """
 
     __slots__ = (
         "_after_id",
         "_after_time",
         "_dataschema_member",
-        "_header_bytes",
-        "_headers_after_id",
-        "_stored_after_id",
         "dataschema",
         "event_type",
         "source",
@@ -96,22 +94,6 @@ class EnvelopeTemplate:
         self._after_time = f'","datacontenttype":{_json_string(DATA_CONTENT_TYPE)},"partitionkey":'
         self._dataschema_member = (
             "" if dataschema is None else f',"dataschema":{_json_string(dataschema)}'
-        )
-        self._headers_after_id = [
-            ("ce_type", event_type.encode("utf-8")),
-            ("ce_source", source.encode("utf-8")),
-            ("ce_specversion", SPEC_VERSION.encode()),
-        ]
-        self._stored_after_id = '"],' + ",".join(
-            stored_header(name, value) for name, value in self._headers_after_id
-        )
-        self._header_bytes = (
-            sum(
-                len(name.encode("utf-8")) + len(value)
-                for name, value in (CONTENT_TYPE_HEADER, *self._headers_after_id)
-            )
-            + len("ce_id")
-            + _ID_TEXT_BYTES
         )
 
     def envelope(
@@ -164,30 +146,36 @@ class EnvelopeTemplate:
             ) from exc
         return envelope, value
 
-    def headers(
-        self,
-        event_id: str,
-        traceparent: str | None = None,
-        own: list[tuple[str, bytes]] | None = None,
-    ) -> tuple[list[tuple[str, bytes]], str, int]:
-        """The message headers, their stored form and their size in bytes.
 
-        The library's headers come first (``content-type``, ``ce_id``,
-        ``ce_type``, ``ce_source``, ``ce_specversion``, ``traceparent`` when
-        given), then the producer's ``own``, as checked by ``check_headers``.
-        """
-        headers = [CONTENT_TYPE_HEADER, ("ce_id", event_id.encode()), *self._headers_after_id]
-        stored = f'[{STORED_CONTENT_TYPE},["ce_id","{event_id}{self._stored_after_id}'
-        size = self._header_bytes
-        if traceparent is not None:
-            headers.append(("traceparent", traceparent.encode()))
-            stored += f',["traceparent",{_json_string(traceparent)}]'
-            size += len("traceparent") + len(traceparent)
-        if own:
-            headers += own
-            stored += "," + ",".join(stored_header(name, value) for name, value in own)
-            size += sum(len(name.encode("utf-8")) + len(value) for name, value in own)
-        return headers, stored + "]", size
+def structured_headers(
+    event_id: str,
+    traceparent: str | None = None,
+    own: list[tuple[str, bytes]] | None = None,
+    id_header: str | None = None,
+) -> tuple[list[tuple[str, bytes]], str, int]:
+    """The headers of a structured-mode event, their stored form and their size in bytes.
+
+    The library's headers come first (``content-type``; the id under
+    ``id_header`` when given, checked by ``check_id_header``; ``traceparent``
+    when given), then the producer's ``own``, as checked by ``check_headers``.
+    The id and the traceparent need no escaping.
+    """
+    headers = [CONTENT_TYPE_HEADER]
+    stored = f"[{STORED_CONTENT_TYPE}"
+    size = _CONTENT_TYPE_BYTES
+    if id_header is not None:
+        headers.append((id_header, event_id.encode()))
+        stored += f',[{_json_string(id_header)},"{event_id}"]'
+        size += len(id_header.encode("utf-8")) + len(event_id)
+    if traceparent is not None:
+        headers.append(("traceparent", traceparent.encode()))
+        stored += f',["traceparent",{_json_string(traceparent)}]'
+        size += len("traceparent") + len(traceparent)
+    if own:
+        headers += own
+        stored += "," + ",".join(stored_header(name, value) for name, value in own)
+        size += sum(len(name.encode("utf-8")) + len(value) for name, value in own)
+    return headers, stored + "]", size
 
 
 def _exact_str(text: str) -> str:

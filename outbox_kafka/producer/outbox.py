@@ -15,7 +15,12 @@ from sqlalchemy import Connection
 from outbox_kafka.errors import ConfigurationError, DuplicateEventId, EventError
 from outbox_kafka.limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
-from outbox_kafka.producer.checks import HeadersInput, check_attribute, check_topic
+from outbox_kafka.producer.checks import (
+    HeadersInput,
+    check_attribute,
+    check_id_header,
+    check_topic,
+)
 from outbox_kafka.producer.content_modes import ContentMode, check_content_mode
 from outbox_kafka.producer.data import JsonDefault
 from outbox_kafka.producer.encoding import EventEncoder
@@ -82,6 +87,7 @@ class Outbox:
         registry: CollectorRegistry | None = None,
         json_default: JsonDefault | None = None,
         content_mode: ContentMode = "structured",
+        id_header: str | None = None,
     ) -> None:
         if max_key_bytes < 1:
             raise ConfigurationError(f"max_key_bytes must be at least 1, got {max_key_bytes}")
@@ -105,6 +111,7 @@ class Outbox:
             max_message_bytes=max_message_bytes,
             json_default=json_default,
             content_mode=check_content_mode(content_mode),
+            id_header=check_id_header(id_header),
         )
         self._writer = OutboxWriter(self._names, notify=notify)
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
@@ -120,6 +127,16 @@ class Outbox:
         """What writes this outbox's encoded events: for adapters that execute on a driver's
         cursor (:mod:`outbox_kafka.contrib.django`)."""
         return self._writer
+
+    @property
+    def content_mode(self) -> ContentMode:
+        """The CloudEvents Kafka content mode this outbox stores its events in."""
+        return self._encoder.content_mode
+
+    @property
+    def id_header(self) -> str | None:
+        """The header each event's id is also sent in, if any."""
+        return self._encoder.id_header
 
     @property
     def schemas(self) -> EventSchemas | None:

@@ -25,6 +25,8 @@ class Message(NamedTuple):
     key: bytes
     value: bytes
     headers: list[tuple[str, bytes]]
+    #: The event's id (text form), for traces; empty when not known.
+    event_id: str = ""
 
 
 @dataclass

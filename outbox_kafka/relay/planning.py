@@ -81,7 +81,9 @@ def plan_batch(
                     plan.discarded_first.append(Discard(event, event.attempts + 1, reason, error))
                 break
             plan.events.append(event)
-            plan.messages.append(Message(event.topic, key, event.value, event.headers or []))
+            plan.messages.append(
+                Message(event.topic, key, event.value, event.headers or [], event.event_id)
+            )
     return plan
 
 
@@ -111,7 +113,9 @@ def dead_letter_messages(
                 *(d.event.headers or []),
                 ("outbox_error", d.reason.encode("utf-8", "replace")[:_MAX_REASON_HEADER]),
                 ("outbox_original_topic", d.event.topic.encode()),
+                ("outbox_event_id", d.event.event_id.encode()),
             ],
+            d.event.event_id,
         )
         for d in discards
     ]

@@ -75,8 +75,8 @@ class SendTracing:
                 "messaging.destination.name": message.topic,
                 "messaging.kafka.message.key": message.key.decode("utf-8", "replace"),
             }
-            if "ce_id" in stored:
-                attributes["messaging.message.id"] = stored["ce_id"]
+            if message.event_id:
+                attributes["messaging.message.id"] = message.event_id
             if count > 1:
                 attributes["messaging.batch.message_count"] = count
             span = tracer.start_span(

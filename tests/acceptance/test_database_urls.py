@@ -53,7 +53,7 @@ def test_every_command_runs_on_an_application_url(
     drained = ok("relay", "--drain", "--bootstrap-servers", kafka_bootstrap, *RELAY_TIMING, **env)
     assert "drained: 6 delivered, 0 discarded" in drained
     records = consume_all(kafka_bootstrap, topic, 6)
-    assert sorted(r.headers["ce_id"].decode() for r in records) == sorted(ids)
+    assert sorted(r.event_id for r in records) == sorted(ids)
     assert as_json("requeue", "--all", "--dry-run", **env)["count"] == 0
     assert as_json("unpark", "--all", "--dry-run", **env)["count"] == 0
     assert as_json("purge", "--dry-run", **env)["dry_run"] is True

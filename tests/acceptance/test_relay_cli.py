@@ -254,7 +254,7 @@ def test_drain_through_the_cli_publishes_everything_and_exits_zero(
     assert scalar(engine, "SELECT count(*) FROM outbox_keys") == 0
 
     records = consume_all(kafka_bootstrap, topic, 300)
-    assert sorted(r.ce_id for r in records) == sorted(ids)
+    assert sorted(r.event_id for r in records) == sorted(ids)
     expected: dict[str, list[str]] = {}
     for event, event_id in zip(events, ids, strict=True):
         expected.setdefault(event.key, []).append(event_id)
@@ -294,7 +294,7 @@ def test_drain_waits_for_the_leases_of_a_killed_relay_and_says_what_is_left(
     assert "drained: 30 delivered" in result.stdout and "nothing left pending" in result.stdout
     assert scalar(engine, "SELECT count(*) FROM outbox WHERE status <> 'delivered'") == 0
     records = consume_all(kafka_bootstrap, topic, 60)
-    assert sorted(r.ce_id for r in records) == sorted(ids)
+    assert sorted(r.event_id for r in records) == sorted(ids)
 
 
 def test_drain_with_a_dead_letter_topic_flag_copies_the_discarded_event(
@@ -327,7 +327,7 @@ def test_drain_with_a_dead_letter_topic_flag_copies_the_discarded_event(
     assert "drained: 5 delivered, 1 discarded" in result.stdout
 
     [copy] = consume_all(kafka_bootstrap, dlt, 1)
-    assert copy.ce_id == ids[2]
+    assert copy.headers["outbox_event_id"] == ids[2].encode()
     assert copy.raw == b"not json"
     assert b"not JSON" in copy.headers["outbox_error"]
     records = consume_all(kafka_bootstrap, topic, 5)

@@ -105,13 +105,14 @@ def parameter_values(parameters: Any) -> list[Any]:
 
 
 def without_identity(row: dict[str, Any]) -> dict[str, Any]:
-    """What a stored event holds besides its id, its time and when it was written."""
+    """What a stored event holds besides its id (in the envelope and the ``id`` header), its
+    time and when it was written."""
     envelope = json.loads(row["value"])
     del envelope["id"], envelope["time"]
     headers = [
         (name, value)
         for name, value in zip(row["header_names"], row["header_values"], strict=True)
-        if name != "ce_id"
+        if name != "id"
     ]
     return {
         "ordering_key": row["ordering_key"],
@@ -154,8 +155,10 @@ BATCH = [
 
 
 def test_async_writes_store_what_the_sync_api_stores(
-    engine: sa.Engine, database_url: str, outbox: Outbox, driver: str
+    engine: sa.Engine, database_url: str, driver: str
 ) -> None:
+    outbox = Outbox(schema_dir=EVENT_SCHEMAS, routes={"order.*": "orders"}, id_header="id")
+
     async def body(async_engine: AsyncEngine) -> tuple[uuid.UUID, list[uuid.UUID]]:
         async with async_engine.begin() as conn:
             one = await outbox.enqueue_async(conn, **valid_event(**SINGLE))
@@ -167,6 +170,7 @@ def test_async_writes_store_what_the_sync_api_stores(
     assert {row["event_id"] for row in written_async} == {one, *many}
     by_id = {row["event_id"]: row for row in written_async}
     assert json.loads(by_id[one]["value"])["id"] == str(one)
+    assert by_id[one]["header_values"][by_id[one]["header_names"].index("id")] == str(one).encode()
     assert json.loads(by_id[one]["value"])["data"] == ORDER_CREATED
     assert by_id[one]["topic"] == "orders"
     assert [(by_id[i]["ordering_key"], by_id[i]["seq"]) for i in many] == [
@@ -601,7 +605,7 @@ def test_the_relay_publishes_async_enqueued_events_in_key_order(
     assert report.delivered == 300
 
     records = consume_all(kafka_bootstrap, topic, 300)
-    assert sorted(r.ce_id for r in records) == sorted(ids)
+    assert sorted(r.event_id for r in records) == sorted(ids)
     expected: dict[str, list[str]] = {}
     for event, event_id in zip(events, ids, strict=True):
         expected.setdefault(event.key, []).append(event_id)

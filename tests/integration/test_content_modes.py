@@ -1,4 +1,5 @@
-"""Binary content mode: delivered messages read back by the CloudEvents SDK and other readers."""
+"""The CloudEvents content modes: delivered messages read back by the CloudEvents SDK (core and
+v1 APIs), a reader following the Kafka binding's content-type rule, and kafka-python."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.relay_support import Record, consume_all, make_settings
 from tests.support import EVENT_SCHEMAS, ORDER_CREATED
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+ORDER_CREATED_SCHEMA = json.loads((EVENT_SCHEMAS / "order.created.json").read_text())["$id"]
 
 
 def binary_outbox() -> Outbox:
@@ -98,8 +100,11 @@ def test_an_unknown_content_mode_is_refused() -> None:
         Outbox(content_mode="mixed")  # type: ignore[arg-type]
 
 
-def _kafka_python_records(bootstrap: str, topic: str, count: int) -> dict[str, Any]:
-    """The same messages through kafka-python, a client that is not librdkafka: by ce_id."""
+def _kafka_python_records(
+    bootstrap: str, topic: str, count: int
+) -> dict[tuple[int, int], tuple[dict[str, bytes], bytes, bytes]]:
+    """The same messages through kafka-python, a client that is not librdkafka:
+    headers, value and key by (partition, offset)."""
     consumer = KafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,
@@ -107,11 +112,14 @@ def _kafka_python_records(bootstrap: str, topic: str, count: int) -> dict[str, A
         enable_auto_commit=False,
         consumer_timeout_ms=15_000,
     )
-    found: dict[str, Any] = {}
+    found: dict[tuple[int, int], tuple[dict[str, bytes], bytes, bytes]] = {}
     try:
         for message in consumer:
-            headers = dict(message.headers)
-            found[headers["ce_id"].decode()] = (headers, message.value, message.key)
+            found[(message.partition, message.offset)] = (
+                dict(message.headers),
+                message.value,
+                message.key,
+            )
             if len(found) >= count:
                 break
     finally:
@@ -119,14 +127,48 @@ def _kafka_python_records(bootstrap: str, topic: str, count: int) -> dict[str, A
     return found
 
 
-def test_binary_messages_read_back_by_every_reader(
+def _core_attributes(event: Any) -> dict[str, Any]:
+    """A core SDK event's attributes, its time in the RFC 3339 form it was sent in."""
+    return {
+        name: value.isoformat().replace("+00:00", "Z") if name == "time" else value
+        for name, value in event.get_attributes().items()
+    }
+
+
+MODES = {
+    "structured": Outbox(
+        schema_dir=EVENT_SCHEMAS, routes={"order.*": "orders"}, source="//shop/orders"
+    ),
+    "structured, id header": Outbox(
+        schema_dir=EVENT_SCHEMAS,
+        routes={"order.*": "orders"},
+        source="//shop/orders",
+        id_header="id",
+    ),
+    "binary": binary_outbox(),
+    "binary, id header": Outbox(
+        schema_dir=EVENT_SCHEMAS,
+        routes={"order.*": "orders"},
+        source="//shop/orders",
+        content_mode="binary",
+        id_header="id",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_delivered_messages_read_back_by_every_reader(
+    mode: str,
     engine: sa.Engine,
     database_url: str,
     kafka_bootstrap: str,
     new_topic: Callable[..., str],
 ) -> None:
+    """id, type, source, subject, time, datacontenttype, dataschema, the extensions
+    (partitionkey, traceparent) and data come back as sent, whichever reader reads them."""
     topic = new_topic(partitions=2)
-    outbox = binary_outbox()
+    outbox = MODES[mode]
+    structured = mode.startswith("structured")
     with engine.begin() as conn:
         first = outbox.enqueue(
             conn,
@@ -141,23 +183,11 @@ def test_binary_messages_read_back_by_every_reader(
         second = outbox.enqueue(
             conn, type="order.created", key="o-2", data=ORDER_CREATED, topic=topic
         )
-    # What every reader must give back: the attributes as stored, per event.
     with engine.connect() as conn:
-        stored = {
-            str(r.event_id): dict(json.loads(r.headers_text))
-            for r in conn.execute(
-                sa.text("SELECT event_id, CAST(headers AS text) AS headers_text FROM outbox")
-            )
+        times = {
+            str(r.event_id): json.loads(bytes(r.value))["time"] if structured else None
+            for r in conn.execute(sa.text("SELECT event_id, value FROM outbox"))
         }
-    expected: dict[str, dict[str, Any]] = {}
-    for event_id, headers in stored.items():
-        attributes = {name[3:]: value for name, value in headers.items() if name[:3] == "ce_"}
-        attributes["datacontenttype"] = headers["content-type"]
-        expected[event_id] = attributes
-    assert expected[str(first)]["subject"] == "orders/o-1"
-    assert expected[str(first)]["traceparent"] == TRACEPARENT
-    assert "subject" not in expected[str(second)]
-
     relay = Relay(make_settings(database_url, kafka_bootstrap))
     try:
         relay.drain()
@@ -165,32 +195,84 @@ def test_binary_messages_read_back_by_every_reader(
         relay.close()
     records: list[Record] = consume_all(kafka_bootstrap, topic, 2)
     other_client = _kafka_python_records(kafka_bootstrap, topic, 2)
+    assert {r.event_id for r in records} == {str(first), str(second)}
 
     for record in records:
-        want = expected[record.ce_id]
+        sent: dict[str, Any] = {
+            "specversion": "1.0",
+            "id": record.event_id,
+            "source": "//shop/orders",
+            "type": "order.created",
+            "time": times[record.event_id] or record.headers["ce_time"].decode(),
+            "datacontenttype": "application/json",
+            "dataschema": ORDER_CREATED_SCHEMA,
+            "partitionkey": record.key,
+        }
+        if record.event_id == str(first):
+            sent |= {"subject": "orders/o-1", "traceparent": TRACEPARENT}
         # The independent client sees the same bytes and headers.
-        headers, value, key = other_client[record.ce_id]
-        assert (headers, value, key) == (record.headers, record.raw, record.key_bytes)
+        assert other_client[(record.partition, record.offset)] == (
+            record.headers,
+            record.raw,
+            record.key_bytes,
+        )
+        assert not structured or not [n for n in record.headers if n.startswith("ce_")]
+        if outbox.id_header is not None:
+            assert record.headers[outbox.id_header] == record.event_id.encode()
 
         message = core_kafka.KafkaMessage(
             headers=record.headers, key=record.key_bytes, value=record.raw
         )
-        for read in (core_kafka.from_kafka, core_kafka.from_binary):
+        own_mode = core_kafka.from_structured if structured else core_kafka.from_binary
+        for read in (core_kafka.from_kafka, own_mode):
             event = read(message, JSONFormat())
-            attributes = {
-                name: value.isoformat().replace("+00:00", "Z") if name == "time" else value
-                for name, value in event.get_attributes().items()
-            }
-            assert attributes == want, read.__name__
-            assert event.get_data() == ORDER_CREATED
-        v1_event = v1_kafka.from_binary(
-            v1_kafka.KafkaMessage(headers=record.headers, key=record.key, value=record.raw)
-        )
-        assert {k: v1_event[k] for k in want} == want
-        assert v1_event.data == ORDER_CREATED
+            assert _core_attributes(event) == sent, read.__name__
+            assert event.get_data() == ORDER_CREATED, read.__name__
+
         by_rule = spec_reader(record.headers, record.raw)
-        assert {k: by_rule[k] for k in want} == want and by_rule["data"] == ORDER_CREATED
-    assert {r.ce_id for r in records} == {str(first), str(second)}
-    first_record = next(r for r in records if r.ce_id == str(first))
+        assert {k: by_rule[k] for k in sent} == sent and by_rule["data"] == ORDER_CREATED
+
+        v1_message = v1_kafka.KafkaMessage(headers=record.headers, key=record.key, value=record.raw)
+        if structured:
+            v1_event = v1_kafka.from_structured(v1_message)
+            # The v1 reader takes datacontenttype from the content-type header (the
+            # CloudEvents format's, by the binding): everything else is as sent. With
+            # the headers left out it reads the envelope alone, datacontenttype too.
+            assert v1_event["datacontenttype"] == "application/cloudevents+json"
+            assert {k: v1_event[k] for k in sent if k != "datacontenttype"} == {
+                k: v for k, v in sent.items() if k != "datacontenttype"
+            }
+            envelope_only = v1_kafka.from_structured(
+                v1_kafka.KafkaMessage(headers={}, key=record.key, value=record.raw)
+            )
+            assert envelope_only.get_attributes() == sent
+            assert envelope_only.data == ORDER_CREATED
+        else:
+            v1_event = v1_kafka.from_binary(v1_message)
+            assert {k: v1_event[k] for k in sent} == sent
+        assert v1_event.data == ORDER_CREATED
+
+    first_record = next(r for r in records if r.event_id == str(first))
     assert first_record.headers["tenant"] == b"acme"
     assert first_record.headers["traceparent"] == TRACEPARENT.encode()
+
+
+def test_structured_mode_headers(outbox: Outbox) -> None:
+    """Nothing but content-type and what the event asks for: no ce_ header."""
+    plain = outbox.encode(Event(type="order.created", key="o-1", data=ORDER_CREATED))
+    assert plain.headers == [("content-type", b"application/cloudevents+json")]
+    full = MODES["structured, id header"].encode(
+        Event(
+            type="order.created",
+            key="o-1",
+            data=ORDER_CREATED,
+            traceparent=TRACEPARENT,
+            headers={"tenant": "acme"},
+        )
+    )
+    assert full.headers == [
+        ("content-type", b"application/cloudevents+json"),
+        ("id", str(full.event_id).encode()),
+        ("traceparent", TRACEPARENT.encode()),
+        ("tenant", b"acme"),
+    ]

@@ -81,7 +81,7 @@ def _fill(outboxes: Outboxes, topics: dict[str, str]) -> None:
 def _check_topic(bootstrap: str, topic: str) -> None:
     """Every event of ``topic`` arrived, each key's in the order they were written."""
     records = consume_all(bootstrap, topic, EVENTS)
-    n_of = {r.ce_id: r.value["data"]["n"] for r in records}
+    n_of = {r.event_id: r.value["data"]["n"] for r in records}
     order = per_key_order(records)
     assert sorted(order) == KEYS
     for key, ids in order.items():

@@ -95,7 +95,7 @@ def test_a_request_trace_continues_through_the_outbox_to_the_consumer(
         assert attributes["messaging.destination.partition.id"] in ("0", "1")
         assert isinstance(attributes["messaging.kafka.offset"], int)
         assert attributes.get("messaging.batch.message_count", 1) >= 1
-    ids = {r.ce_id for r in records}
+    ids = {r.event_id for r in records}
     assert {str(send.attributes["messaging.message.id"]) for send in sends} == ids  # type: ignore[index]
     # The envelope keeps the producer's context; the header carries the relay's span.
     for record in records:

@@ -401,7 +401,7 @@ class Collector:
             pass
 
     def ids(self) -> set[str]:
-        return {r.ce_id for g in self.generations for r in g if "ce_id" in r.headers}
+        return {r.event_id for g in self.generations for r in g if r.event_id}
 
     def close(self) -> None:
         if self._reader is not None:
@@ -419,9 +419,9 @@ class Audit:
     lost: list[str]
     duplicated: int
     order_violations: list[str]
-    #: Copies of one ce_id that differ (bytes, key), or whose envelope id is another.
+    #: Copies of one event whose bytes or key are not the stored event's.
     inconsistent_copies: list[str]
-    #: ce_ids in Kafka that no committed event has.
+    #: Event ids in Kafka that no committed event has.
     phantoms: list[str]
     #: Events the database does not show as delivered at the end.
     not_marked: list[str]
@@ -493,23 +493,22 @@ def audit(engine: sa.Engine, generations: Sequence[Sequence[Record]]) -> Audit:
     first_seen: dict[str, list[int]] = defaultdict(list)
     phantoms = []
     for rec in ordered:
-        ce_id = rec.headers.get("ce_id", b"").decode()
-        at.add((rec.partition, rec.offset, ce_id))
-        if ce_id not in events:
-            phantoms.append(ce_id or f"<no ce_id at {rec.partition}/{rec.offset}>")
+        event_id = rec.event_id
+        at.add((rec.partition, rec.offset, event_id))
+        if event_id not in events:
+            phantoms.append(event_id or f"<no event id at {rec.partition}/{rec.offset}>")
             continue
-        if not copies[ce_id]:
+        if not copies[event_id]:
             assert rec.key is not None
-            first_seen[rec.key].append(int(events[ce_id][2]))
-        copies[ce_id].append(rec)
+            first_seen[rec.key].append(int(events[event_id][2]))
+        copies[event_id].append(rec)
 
     inconsistent = []
-    for ce_id, found in copies.items():
-        row = events[ce_id]
+    for event_id, found in copies.items():
+        row = events[event_id]
         for rec in found:
-            envelope_id = rec.value.get("id") if isinstance(rec.value, dict) else None
-            if rec.raw != bytes(row[6]) or rec.key != row[1] or envelope_id != ce_id:
-                inconsistent.append(ce_id)
+            if rec.raw != bytes(row[6]) or rec.key != row[1]:
+                inconsistent.append(event_id)
                 break
 
     violations = []

@@ -225,7 +225,7 @@ def test_operators_relays_and_writers_at_once(
     }
     assert committed <= set(final), "committed events missing from the outbox and the archive"
     seen = {topic: _read(kafka_bootstrap, topic, final) for topic in (main, late)}
-    in_kafka = {ce_id for records in seen.values() for ce_id, _ in records}
+    in_kafka = {event_id for records in seen.values() for event_id, _ in records}
     phantoms = in_kafka - committed
     lost = [
         i for i in committed if not (i in in_kafka or (final[i][3] == "discarded" and final[i][4]))
@@ -234,10 +234,10 @@ def test_operators_relays_and_writers_at_once(
     for records in seen.values():
         first: dict[str, list[int]] = defaultdict(list)
         noted: set[str] = set()
-        for ce_id, key in records:
-            if ce_id not in noted and ce_id not in operator.skipped:
-                first[key].append(int(final[ce_id][2]))
-            noted.add(ce_id)
+        for event_id, key in records:
+            if event_id not in noted and event_id not in operator.skipped:
+                first[key].append(int(final[event_id][2]))
+            noted.add(event_id)
         for key, seqs in first.items():
             violations += [f"{key}: {b} after {a}" for a, b in itertools.pairwise(seqs) if b <= a]
     discarded = sum(1 for i in committed if i not in in_kafka)
@@ -280,16 +280,16 @@ def _settle(operator: Operator) -> bool:
 def _read(
     bootstrap: str, topic: str, final: dict[str, tuple[object, ...]]
 ) -> list[tuple[str, str]]:
-    """(ce_id, key) of every record of ``topic``, in partition and offset order."""
+    """(event id, key) of every record of ``topic``, in partition and offset order."""
     expected = {i for i, r in final.items() if r[5] == topic and r[3] == "delivered"}
     reader = TopicReader(bootstrap, topic, timeout=60)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not expected <= {r.ce_id for r in reader.records}:
+        while time.monotonic() < deadline and not expected <= {r.event_id for r in reader.records}:
             reader.poll(0.5)
         while reader.poll(1.5):
             pass
         records = sorted(reader.records, key=lambda r: (r.partition, r.offset))
     finally:
         reader.close()
-    return [(r.ce_id, r.key or "") for r in records]
+    return [(r.event_id, r.key or "") for r in records]

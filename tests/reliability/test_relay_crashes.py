@@ -4,7 +4,7 @@ Writers commit events steadily over many keys while relay B is killed at
 random moments and started again each time. Relay A keeps running; B's keys
 pass to A (or to B's next incarnation) when their leases run out. Nothing may
 be lost or reordered; a duplicate must be the very same message (same
-``ce_id``, same bytes), re-sent after a crash between the broker's
+event id, same bytes), re-sent after a crash between the broker's
 acknowledgement and the database update.
 """
 
@@ -96,5 +96,5 @@ def test_relay_killed_ten_times_loses_and_reorders_nothing(
         "relay crashes",
         recover,
         f"2 relays, {len(keys)} keys, {kills} SIGKILLs; each duplicate has its original's "
-        "ce_id and bytes",
+        "id and bytes",
     )

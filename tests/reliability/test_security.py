@@ -666,7 +666,7 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
         finally:
             store.close()
         assert scalar(engine, "SELECT count(*) FROM outbox") == 0  # purged by the relay role
-        assert {r.ce_id for r in consume_all(kafka_bootstrap, topic, len(ids))} == set(ids)
+        assert {r.event_id for r in consume_all(kafka_bootstrap, topic, len(ids))} == set(ids)
         # The relay cannot forge or rewrite an event.
         _denied(
             relay_engine,

@@ -184,6 +184,6 @@ def test_many_discards_behind_a_slow_broker_fit_in_the_lease_and_are_copied_once
                 r.stop(60)
     assert sum(r.total("leases_lost") for r in relays) == 0
     assert sum(r.total("discarded") for r in relays) == discards
-    copied = Counter(record.ce_id for record in copies)
+    copied = Counter(record.event_id for record in copies)
     assert set(copied) == {str(i) for i in ids}
     assert max(copied.values()) == 1, copied.most_common(3)

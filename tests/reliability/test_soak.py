@@ -328,10 +328,10 @@ def test_a_steady_mixed_load_leaves_nothing_growing(
     seen: set[str] = set()
     records = sorted(collector.generations[-1], key=lambda r: (r.partition, r.offset))
     for record in records:
-        if record.ce_id not in seen:
-            seen.add(record.ce_id)
+        if record.event_id not in seen:
+            seen.add(record.event_id)
             assert record.key is not None
-            first_seen.setdefault(record.key, []).append(record.ce_id)
+            first_seen.setdefault(record.key, []).append(record.event_id)
     assert not committed - seen, f"{len(committed - seen)} committed events never reached Kafka"
     assert first_seen == writer.committed, "a key's events reached Kafka out of commit order"
     assert not seen & set(writer.poison)

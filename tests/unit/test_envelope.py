@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from outbox_kafka import Event, Outbox
+from outbox_kafka.errors import ConfigurationError, InvalidHeaders
 from outbox_kafka.producer.ids import uuid7
 from outbox_kafka.stored_headers import headers_from_json, headers_to_json
 from tests.support import EVENT_SCHEMAS, GOOD_TRACEPARENT, ORDER_CREATED, ORDER_PAID
@@ -102,7 +103,6 @@ def test_outbox_default_source() -> None:
     custom = Outbox(routes={"*": "events"}, source="urn:shop:billing")
     encoded = custom.encode(Event(type="a", key="k", data=1))
     assert envelope_of(encoded.value)["source"] == "urn:shop:billing"
-    assert ("ce_source", b"urn:shop:billing") in encoded.headers
     overridden = custom.encode(Event(type="a", key="k", data=1, source="urn:other"))
     assert envelope_of(overridden.value)["source"] == "urn:other"
 
@@ -118,10 +118,6 @@ def test_headers_order_without_traceparent(outbox: Outbox) -> None:
     )
     assert encoded.headers == [
         ("content-type", b"application/cloudevents+json"),
-        ("ce_id", str(encoded.event_id).encode()),
-        ("ce_type", b"order.created"),
-        ("ce_source", b"outbox-kafka"),
-        ("ce_specversion", b"1.0"),
         ("x-b", b"2"),
         ("x-a", b"\x00\x01"),
         ("x-b", b"again"),
@@ -141,18 +137,80 @@ def test_headers_order_with_traceparent_and_mapping(outbox: Outbox) -> None:
     )
     assert [name for name, _ in encoded.headers] == [
         "content-type",
-        "ce_id",
-        "ce_type",
-        "ce_source",
-        "ce_specversion",
         "traceparent",
         "z-last",
         "a-first",
     ]
     headers = dict(encoded.headers)
     assert headers["traceparent"] == GOOD_TRACEPARENT.encode()
-    assert headers["ce_source"] == b"src"
     assert headers["a-first"] == "ünï".encode()
+
+
+def test_no_header_names_a_cloudevents_attribute_in_structured_mode(outbox: Outbox) -> None:
+    """A reader that finds a ``ce_`` header takes the message for binary mode."""
+    encoded = outbox.encode(
+        Event(type="order.created", key="k", data=ORDER_CREATED, traceparent=GOOD_TRACEPARENT)
+    )
+    assert not [name for name, _ in encoded.headers if name.startswith("ce_")]
+
+
+@pytest.mark.parametrize("mode", ["structured", "binary"])
+def test_the_id_header_carries_the_event_id_after_the_library_headers(mode: str) -> None:
+    box = Outbox(routes={"*": "events"}, id_header="id", content_mode=mode)  # type: ignore[arg-type]
+    encoded = box.encode(
+        Event(
+            type="order.created",
+            key="k",
+            data=ORDER_CREATED,
+            traceparent=GOOD_TRACEPARENT,
+            headers={"x-own": "1"},
+        )
+    )
+    names = [name for name, _ in encoded.headers]
+    assert dict(encoded.headers)["id"] == str(encoded.event_id).encode()
+    assert names.count("id") == 1
+    assert names[-1] == "x-own"
+    if mode == "structured":
+        assert names == ["content-type", "id", "traceparent", "x-own"]
+    assert encoded.stored_headers == headers_to_json(encoded.headers)
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("ce_id", "starts with 'ce_'"),
+        ("CE_Dedup", "starts with 'ce_'"),
+        ("content-type", "sets itself"),
+        ("traceparent", "sets itself"),
+        ("", "non-empty str"),
+        (7, "non-empty str"),
+        ("a\x00b", "control character"),
+        (" id", "space"),
+        ("id\n", "control character"),
+    ],
+)
+def test_an_id_header_the_binding_or_the_library_owns_is_refused(
+    name: object, problem: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=problem):
+        Outbox(routes={"*": "events"}, id_header=name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("id", "is the outbox's id_header"),
+        ("ID", "is the outbox's id_header"),
+        ("ce_custom", "are CloudEvents attributes"),
+        ("Ce_Type", "is set by outbox-kafka itself"),
+    ],
+)
+def test_own_headers_named_as_the_id_header_or_an_attribute_are_refused(
+    name: str, problem: str
+) -> None:
+    box = Outbox(routes={"*": "events"}, id_header="id")
+    with pytest.raises(InvalidHeaders, match=problem):
+        box.encode(Event(type="a", key="k", data=1, headers={name: "x"}))
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from pathlib import Path
@@ -180,7 +181,8 @@ def test_the_relay_on_the_fakes_sends_every_key_in_order() -> None:
     for key in ("a", "b", "c"):
         sent = [m for m in kafka.messages("t") if m.key == key.encode()]
         ids = [e.event_id for e in store.events(key)]
-        assert [dict(m.headers)["ce_id"].decode() for m in sent] == ids
+        assert [m.event_id for m in sent] == ids
+        assert [json.loads(m.value)["id"] for m in sent] == ids
     assert {e.status for e in store.events()} == {EventStatus.DELIVERED}
     assert store.remaining().pending == 0
 
@@ -209,6 +211,7 @@ def test_an_invalid_event_behind_delivered_ones_is_copied_after_the_send() -> No
     assert [[m.topic for m in send] for send in kafka.sends] == [["t"], ["dlq"]]
     copy = kafka.messages("dlq")[0]
     assert dict(copy.headers)["outbox_original_topic"] == b"t"
+    assert dict(copy.headers)["outbox_event_id"] == store.events("k")[1].event_id.encode()
     assert dict(copy.headers)["outbox_error"].startswith(b"INVALID_ENVELOPE: envelope is not JSON")
 
 
@@ -282,9 +285,9 @@ def test_an_outbox_of_the_in_memory_store_validates_and_stores_as_enqueue_does()
         ("o-1", 2, "order.paid"),
     ]
     _relay(store, kafka).drain()
-    assert [dict(m.headers)["ce_type"] for m in kafka.messages()] == [
-        b"order.created",
-        b"order.paid",
+    assert [json.loads(m.value)["type"] for m in kafka.messages()] == [
+        "order.created",
+        "order.paid",
     ]
 
 

@@ -68,35 +68,75 @@ def test_text_that_only_looks_like_headers_is_not_taken_for_them(stored: str) ->
     assert headers_from_text(stored) == reference(stored)
 
 
-LIBRARY_HEADERS = [
-    ("content-type", b"application/cloudevents+json"),
-    ("ce_id", b"00000000-0000-0000-0000-000000000000"),
+CONTENT_TYPE = ("content-type", b"application/cloudevents+json")
+#: Headers stored by earlier versions, which put the id in ``ce_id`` and the type,
+#: source and spec version in headers of their own.
+EARLIER_HEADERS = [
     ("ce_type", b"order.paid"),
     ("ce_source", b"/orders"),
     ("ce_specversion", b"1.0"),
 ]
 
 
-@given(
-    st.lists(st.uuids().map(str), min_size=2, max_size=5),
-    st.lists(st.tuples(st.text(max_size=20), header_values), max_size=3),
+@pytest.mark.parametrize(
+    ("id_header", "after_id"),
+    [("id", []), ("ce_id", EARLIER_HEADERS), ("x-event-id", [("traceparent", b"00-aa")])],
+    ids=["id header", "earlier versions", "id then traceparent"],
 )
-def test_headers_after_the_id_read_once_are_the_same_for_every_id(
-    ids: list[str], own: list[tuple[str, bytes]]
+@given(
+    ids=st.lists(st.uuids().map(str), min_size=2, max_size=5),
+    own=st.lists(st.tuples(st.text(max_size=20), header_values), max_size=3),
+)
+def test_headers_around_the_id_read_once_are_the_same_for_every_id(
+    id_header: str, after_id: list[tuple[str, bytes]], ids: list[str], own: list[tuple[str, bytes]]
 ) -> None:
-    """The library's headers, then a producer's own: what follows the id is read once and kept."""
+    """The library's headers, then a producer's own: what comes around the id is read once
+    and kept."""
     for event_id in ids:
-        headers = [LIBRARY_HEADERS[0], ("ce_id", event_id.encode()), *LIBRARY_HEADERS[2:], *own]
+        headers = [CONTENT_TYPE, (id_header, event_id.encode()), *after_id, *own]
         stored = jsonb_text(json.loads(headers_to_json(headers)))
         assert headers_from_text(stored) == headers == reference(stored)
+
+
+@given(st.lists(st.tuples(st.text(max_size=20), header_values), max_size=3))
+def test_the_second_header_may_be_anything_of_the_producers(
+    own: list[tuple[str, bytes]],
+) -> None:
+    for _ in range(2):
+        stored = jsonb_text(json.loads(headers_to_json([CONTENT_TYPE, *own])))
+        assert headers_from_text(stored) == [CONTENT_TYPE, *own] == reference(stored)
 
 
 @pytest.mark.parametrize(
     "tail",
     ['"], ["ce_type", "x"]]', '"]]', '"], ["a", {"base64": "!!"}]]', '"], ["a"]]', '"', ""],
 )
-def test_a_kept_tail_gives_what_reading_in_full_gives(tail: str) -> None:
-    head = '[["content-type", "application/cloudevents+json"], ["ce_id", "'
+@pytest.mark.parametrize(
+    "head",
+    [
+        '[["content-type", "application/cloudevents+json"], ["ce_id", "',
+        '[["content-type", "application/cloudevents+json"], ["id", "',
+        '[["content-type", "application/cloudevents+json"], ["b", {"base64": "AA=="}], ["id", "',
+        '[["content-type", "application/cloudevents+json"], ["a\\"", "',
+    ],
+)
+def test_a_kept_form_gives_what_reading_in_full_gives(head: str, tail: str) -> None:
     for event_id in ("first", "second", "third"):
         stored = head + event_id + tail
         assert headers_from_text(stored) == reference(stored), stored
+
+
+def test_content_type_alone_is_read_as_such() -> None:
+    stored = '[["content-type", "application/cloudevents+json"]]'
+    assert headers_from_text(stored) == [CONTENT_TYPE] == reference(stored)
+
+
+@pytest.mark.parametrize("odd", ["a\nb", "a\x00b", "a\ud800b"], ids=["newline", "nul", "surrogate"])
+def test_text_jsonb_never_prints_is_refused_as_reading_in_full_refuses_it(odd: str) -> None:
+    """Raw control characters and lone surrogates: JSON refuses them, and so do the fast
+    paths, with a form kept from an earlier event or without."""
+    head = '[["content-type", "application/cloudevents+json"], ["id", "'
+    assert headers_from_text(head + 'abc"]]') == reference(head + 'abc"]]')
+    for stored in (head + odd + '"]]', f'[["a", "{odd}"]]'):
+        assert reference(stored) is None
+        assert headers_from_text(stored) is None, stored

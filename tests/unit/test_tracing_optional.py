@@ -25,7 +25,7 @@ def test_without_opentelemetry_enqueue_and_the_relay_trace_nothing() -> None:
         from outbox_kafka.relay.tracing import SendTracing
 
         assert current_traceparent() is None
-        message = Message("t", b"k", b"{}", [("ce_id", b"x")])
+        message = Message("t", b"k", b"{}", [("id", b"x")], "x")
         traced, spans = SendTracing().start([message])
         assert traced == [message] and spans == []
         SendTracing.finish(spans, [Delivery()])
