@@ -186,8 +186,9 @@ def check_id_header(name: object) -> str | None:
     if name.lower().startswith(_ATTRIBUTE_PREFIX):
         raise ConfigurationError(
             f"id_header {name!r} starts with {_ATTRIBUTE_PREFIX!r}: such headers are "
-            "CloudEvents attributes in the Kafka binding, and a reader that finds one "
-            "takes a structured message for binary mode (Debezium's outbox router uses 'id')"
+            "CloudEvents attributes in the Kafka binding (in binary mode the event's own; "
+            "in structured mode a reader that finds one takes the message for binary "
+            "mode); choose another name, such as 'id' (Debezium's outbox router's)"
         )
     if name.lower() in RESERVED_HEADERS:
         raise ConfigurationError(f"id_header {name!r} is a header outbox-kafka sets itself")

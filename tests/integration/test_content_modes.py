@@ -232,6 +232,8 @@ def test_delivered_messages_read_back_by_every_reader(
         by_rule = spec_reader(record.headers, record.raw)
         assert {k: by_rule[k] for k in sent} == sent and by_rule["data"] == ORDER_CREATED
 
+        # The v1 readers make the key they are given the partitionkey: given decoded, as
+        # the message reference says (confluent-kafka's msg.key() is bytes).
         v1_message = v1_kafka.KafkaMessage(headers=record.headers, key=record.key, value=record.raw)
         if structured:
             v1_event = v1_kafka.from_structured(v1_message)
