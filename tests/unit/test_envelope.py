@@ -187,6 +187,7 @@ def test_the_id_header_carries_the_event_id_after_the_library_headers(mode: str)
         ("a\x00b", "control character"),
         (" id", "space"),
         ("id\n", "control character"),
+        ("id\ud800", "not printable"),
     ],
 )
 def test_an_id_header_the_binding_or_the_library_owns_is_refused(
