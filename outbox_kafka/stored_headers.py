@@ -165,4 +165,9 @@ def _read_headers_text(stored: str) -> list[tuple[str, bytes]] | None:
 
 def message_size(key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> int:
     """Bytes a message occupies before Kafka's own record overhead."""
-    return len(key) + len(value) + sum(len(n.encode("utf-8")) + len(v) for n, v in headers)
+    return len(key) + len(value) + headers_size(headers)
+
+
+def headers_size(headers: list[tuple[str, bytes]]) -> int:
+    """Bytes the headers' names (UTF-8) and values occupy."""
+    return sum(len(name.encode("utf-8")) + len(value) for name, value in headers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from outbox_kafka.errors import ConfigurationError, InvalidHeaders
-from outbox_kafka.stored_headers import stored_header
+from outbox_kafka.stored_headers import headers_size, headers_to_json
 
 ContentMode = Literal["structured", "binary"]
 CONTENT_MODES: tuple[ContentMode, ...] = ("structured", "binary")
@@ -78,6 +78,4 @@ def binary_message(
                 "use the structured mode",
             ) from None
         headers.append((name, value))
-    stored = "[" + ",".join(stored_header(name, value) for name, value in headers) + "]"
-    size = sum(len(name.encode("utf-8")) + len(value) for name, value in headers)
-    return data_json.encode("utf-8"), headers, stored, size
+    return data_json.encode("utf-8"), headers, headers_to_json(headers), headers_size(headers)

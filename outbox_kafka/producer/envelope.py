@@ -19,7 +19,12 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from outbox_kafka.errors import InvalidData
-from outbox_kafka.stored_headers import CONTENT_TYPE_HEADER, STORED_CONTENT_TYPE, stored_header
+from outbox_kafka.stored_headers import (
+    CONTENT_TYPE_HEADER,
+    STORED_CONTENT_TYPE,
+    headers_size,
+    stored_header,
+)
 
 SPEC_VERSION = "1.0"
 DATA_CONTENT_TYPE = "application/json"
@@ -61,7 +66,7 @@ class EncodedEvent(NamedTuple):
 
 #: Every envelope starts so, and then comes its id.
 _ENVELOPE_HEAD = '{"specversion":' + _json_string(SPEC_VERSION) + ',"id":"'
-_CONTENT_TYPE_BYTES = len(CONTENT_TYPE_HEADER[0]) + len(CONTENT_TYPE_HEADER[1])
+_CONTENT_TYPE_BYTES = headers_size([CONTENT_TYPE_HEADER])
 
 
 class EnvelopeTemplate:
@@ -174,7 +179,7 @@ def structured_headers(
     if own:
         headers += own
         stored += "," + ",".join(stored_header(name, value) for name, value in own)
-        size += sum(len(name.encode("utf-8")) + len(value) for name, value in own)
+        size += headers_size(own)
     return headers, stored + "]", size
 
 
