@@ -153,7 +153,7 @@ class Relay:
                 # Nothing was claimed, or only keys with nothing due: all due work is done.
                 break
         self._release_prefetched()
-        total.add(self._await_recording())
+        total.add(self._await_recording() or CycleReport())
         return total
 
     def drain_all(self, timeout: float) -> DrainResult:
@@ -215,12 +215,16 @@ class Relay:
         except StorageError as exc:
             # The claim already retried; only a stop request gets us here.
             log.warning("database unavailable", extra={"action": "db_error", "error": str(exc)})
-            done.add(self._await_recording())
+            done.add(self._await_recording() or CycleReport())
             return done, False
         claim, asked = claimed.claim, claimed.asked
         if not self._stop.is_set() and worth_reading_ahead(claim, asked, self.settings.batch_size):
             self._claiming = self._claimer.submit(self._steps.claim)
         previous = self._await_recording()
+        if previous is None:
+            # The batch before could not be recorded: this one is not sent, so a
+            # relay leaves at most one batch unrecorded. Its keys wait for their lease.
+            return done, False
         done.add(previous)
         claim, sent = self._steps.send(claimed)
         if sent.sent:
@@ -235,6 +239,8 @@ class Relay:
     def cycle(self) -> CycleReport:
         """One claim -> publish -> record round, recorded before it returns."""
         report = self._await_recording()
+        if report is None:
+            return CycleReport()  # not sent: see _guarded_cycle
         report.add(self._record(*self._steps.send(self._next_claim())))
         return report
 
@@ -270,10 +276,18 @@ class Relay:
     def _release(self, claim: Claim) -> None:
         """Hand a claim's keys back as they were, to be claimed again at once."""
         release = [KeyOutcome.unchanged(k) for k in claim.keys]
-        self._record(claim, SentBatch(keys=release))
+        try:
+            self._record(claim, SentBatch(keys=release))
+        except StorageError as exc:
+            # Only past the shutdown deadline: nothing was sent, the keys wait for their lease.
+            log.warning(
+                "could not release a claim before shutdown; its keys wait for their lease",
+                extra={"action": "db_error", "error": str(exc)},
+            )
 
-    def _await_recording(self) -> CycleReport:
-        """Wait for the outstanding background record, if any, and return its report."""
+    def _await_recording(self) -> CycleReport | None:
+        """Wait for the outstanding background record, if any, and return its report;
+        None if it could not be recorded."""
         recording, self._recording = self._recording, None
         if recording is None:
             return CycleReport()
@@ -286,7 +300,7 @@ class Relay:
                 "could not record a batch before shutdown; its keys wait for their lease",
                 extra={"action": "db_error", "error": str(exc)},
             )
-            return CycleReport()
+            return None
 
     def _record(self, claim: Claim, sent: SentBatch) -> CycleReport:
         return self._steps.record(claim, sent)

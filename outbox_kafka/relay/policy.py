@@ -176,6 +176,10 @@ class RetryPolicy:
         next_seq = due[-1].seq + 1
         delay = 0.0
         parked = blocked = False
+        #: An event is still inside the producer and may land yet: whatever else
+        #: holds the key, it stays off limits for a lease, so that no copy of it,
+        #: nor of an earlier event, is sent before that copy is delivered or dead.
+        in_producer = False
         #: An earlier event of the key in this batch that did not reach Kafka and
         #: still should before anything after it (retry, unsent, parked).
         held_back: ClaimedEvent | None = None
@@ -201,14 +205,13 @@ class RetryPolicy:
                 )
                 settled.delivered.append(event)
                 continue
+            in_producer = in_producer or verdict == Verdict.UNREPORTED
             if blocked:
                 continue
             if verdict in (Verdict.UNSENT, Verdict.UNREPORTED):
-                # Not handed over, or still inside the producer: leave it pending and
-                # keep the key off limits for a lease period so no copy overtakes it.
+                # Not handed over, or still inside the producer: leave it pending.
                 held_back = held_back or event
                 blocked, next_seq = True, event.seq
-                delay = self.lease_seconds if verdict == Verdict.UNREPORTED else 0.0
                 continue
             attempt = event.attempts + 1
             if not self.gives_up(event, verdict):
@@ -248,6 +251,8 @@ class RetryPolicy:
             and len(due) == len(key.events)
             and (len(key.events) < per_key_limit or key.waiting_beyond_claim == 0)
         )
+        if in_producer:
+            delay = max(delay, self.lease_seconds)
         settled.key = KeyOutcome(
             key.key, next_seq, delay, parked, drained and not blocked and not parked
         )

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
 
 from outbox_kafka import DuplicateEventId, Event, InvalidKey, Outbox
+from outbox_kafka.errors import StorageError
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey
 from outbox_kafka.relay.boundaries import Delivery, Message
@@ -126,6 +128,21 @@ def test_an_unreported_event_keeps_its_key_off_limits_for_a_lease() -> None:
     results = BatchResults(deliveries={id(events[0]): unreported})
     settled = _policy().settle(key, events, results, 10)
     assert settled.events == [] and settled.key.delay == 30.0 and settled.key.next_seq == 1
+
+
+def test_an_unreported_event_behind_a_retried_one_keeps_the_key_off_limits_for_a_lease() -> None:
+    # The later event may still land; if the key came due after the short backoff,
+    # another relay could send the earlier one again behind it, or the later one first.
+    key, events = _key(2)
+    results = BatchResults(
+        deliveries={
+            id(events[0]): _reported(Verdict.RETRIABLE, "REQUEST_TIMED_OUT: slow"),
+            id(events[1]): Delivery(sent=True, reported=False, error="still in the producer"),
+        }
+    )
+    settled = _policy().settle(key, events, results, per_key_limit=10)
+    assert _statuses(settled.events) == ["pending"] and settled.key.next_seq == 1
+    assert settled.key.delay == 30.0
 
 
 def test_a_later_event_delivered_behind_a_failed_one_is_an_order_violation() -> None:
@@ -300,3 +317,34 @@ def test_drain_all_on_the_fakes_waits_for_a_retry_and_ends_complete() -> None:
     assert result.complete, result.summary()
     assert (result.report.retried, result.report.delivered) == (1, 1)
     assert [e.attempts for e in store.events("k")] == [1]
+
+
+class _DatabaseDown(InMemoryStore):
+    """A store whose database is gone for every record: each attempt fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts = threading.Semaphore(0)
+
+    def record(self, token, keys, events):  # type: ignore[no-untyped-def]
+        self.attempts.release()
+        raise StorageError("connection refused")
+
+
+def test_a_batch_whose_record_failed_at_shutdown_is_the_only_one_left_unrecorded() -> None:
+    # The next claim is read ahead while the first batch is sent; the loop then
+    # waits for the first batch's record, which retries while the database is
+    # down. Stopped meanwhile, the record gives up at the shutdown deadline: the
+    # batch read ahead must not be sent then, leaving one batch unrecorded.
+    store, kafka = _DatabaseDown(), StubPublisher()
+    for key in "abcdefgh":
+        _enqueue(store, key, 1)
+    relay = _relay(store, kafka, batch_size=4, shutdown_timeout=0.01)
+    draining = threading.Thread(target=relay.drain)
+    draining.start()
+    for _ in range(3):  # retrying: the loop is waiting for it
+        assert store.attempts.acquire(timeout=10)
+    relay.stop()
+    draining.join(timeout=10)
+    assert not draining.is_alive()
+    assert len(kafka.sends) == 1 and len(kafka.messages()) == 4
