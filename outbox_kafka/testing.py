@@ -340,9 +340,12 @@ class StubPublisher:
         *,
         topic_problems: Mapping[str, Problem] | None = None,
         max_message_bytes: int = 1 << 20,
+        message_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.answer: Answer = answer or (lambda message: Verdict.DELIVERED)
         self.topic_problems = dict(topic_problems or {})
+        #: By topic: the largest message it takes (as a broker's DescribeConfigs tells).
+        self.message_limits = dict(message_limits or {})
         self.max_message_bytes = max_message_bytes
         #: Every send, as the list of messages it carried.
         self.sends: list[list[Message]] = []
@@ -355,6 +358,9 @@ class StubPublisher:
 
     def topic_problem(self, topic: str) -> Problem | None:
         return self.topic_problems.get(topic)
+
+    def message_limit(self, topic: str) -> int | None:
+        return self.message_limits.get(topic)
 
     def send(
         self,

@@ -106,13 +106,22 @@ def broker_binary() -> str:
 
 
 def start_broker(
-    log_dir: Path, *, port: int | None = None, advertised_port: int | None = None
+    log_dir: Path,
+    *,
+    port: int | None = None,
+    advertised_port: int | None = None,
+    schema_registry: Path | None = None,
 ) -> EmbeddedBroker:
-    """Start the broker; ``advertised_port`` lets a test put a proxy in front of it."""
+    """Start the broker; ``advertised_port`` lets a test put a proxy in front of it.
+
+    With ``schema_registry``, a folder of ``<topic>.json`` schemas, the broker checks
+    each record of such a topic and refuses a whole record batch when one fails.
+    """
     port = port or free_port()
     advertised = advertised_port or port
     log_path = log_dir / f"broker-{port}.log"
     log = log_path.open("wb")
+    registry = [] if schema_registry is None else ["--schema-registry", "file://./"]
     process = subprocess.Popen(
         [
             broker_binary(),
@@ -121,7 +130,9 @@ def start_broker(
             f"tcp://127.0.0.1:{port}",
             "--advertised-listener-url",
             f"tcp://127.0.0.1:{advertised}",
+            *registry,
         ],
+        cwd=schema_registry,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

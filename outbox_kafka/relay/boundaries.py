@@ -80,6 +80,10 @@ class MessagePublisher(Protocol):
         """Why messages to ``topic`` cannot be sent now, if they cannot."""
         ...
 
+    def message_limit(self, topic: str) -> int | None:
+        """The largest message ``topic`` takes, where the broker tells it; else None."""
+        ...
+
     def send(
         self, messages: Sequence[Message], *, timeout: float, abort: Callable[[], bool]
     ) -> list[Delivery]:

@@ -40,6 +40,14 @@ class RelayMetrics:
             ["topic", "reason"],
             registry=r,
         )
+        self.held = Counter(
+            "outbox_events_held",
+            "Sends held back until an operator acts: the topic is missing or access to it "
+            "is not granted. The event's key waits, in order; it is tried again every few "
+            "seconds.",
+            ["topic", "reason"],
+            registry=r,
+        )
         self.order_violations = Counter(
             "outbox_order_violations",
             "Events Kafka took while an earlier event of their key, in the same batch, "

@@ -11,6 +11,7 @@ from outbox_kafka.relay.boundaries import Delivery, Message
 from outbox_kafka.relay.checks import sendable
 from outbox_kafka.relay.policy import COPY_NOT_SENT, BatchResults, Discard, RetryPolicy
 from outbox_kafka.relay.verdicts import Problem, Verdict
+from outbox_kafka.stored_headers import message_size
 
 #: Longest reason a dead-letter copy carries in its ``outbox_error`` header (bytes).
 _MAX_REASON_HEADER = 4096
@@ -48,14 +49,33 @@ def idle_key_outcome(key: ClaimedKey) -> KeyOutcome:
     return KeyOutcome(key.key, done, 0.0, False, True)
 
 
+def over_topic_limit(
+    event: ClaimedEvent, key: bytes, message_limit: Callable[[str], int | None]
+) -> Problem | None:
+    """The event's problem if its message is larger than its topic takes (where told)."""
+    limit = message_limit(event.topic)
+    if limit is None:
+        return None
+    size = message_size(key, event.value, event.headers or [])
+    if size <= limit:
+        return None
+    return (
+        Verdict.PERMANENT,
+        f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over topic {event.topic!r}'s "
+        f"max.message.bytes ({limit}); raise it, then requeue the event",
+    )
+
+
 def plan_batch(
     claim: Claim,
     problems: dict[int, Problem],
     topic_problem: Callable[[str], Problem | None],
     policy: RetryPolicy,
+    message_limit: Callable[[str], int | None] = lambda topic: None,
 ) -> BatchPlan:
     """Each key's sendable events up to its first problem (a failed check from
-    ``problems``, or its topic's from ``topic_problem``)."""
+    ``problems``, its topic's from ``topic_problem``, or a message larger than
+    ``message_limit`` says its topic takes)."""
     plan = BatchPlan()
     for claimed in claim.keys:
         due = sendable(claimed)
@@ -65,7 +85,11 @@ def plan_batch(
         plan.keys.append((claimed, due))
         key = claimed.key.encode()
         for event in due:
-            problem = problems.get(id(event)) or topic_problem(event.topic)
+            problem = (
+                problems.get(id(event))
+                or topic_problem(event.topic)
+                or over_topic_limit(event, key, message_limit)
+            )
             if problem is not None:
                 # Nothing later of this key goes out in this batch: whatever becomes
                 # of this event (retry, park, discard), it is settled before anything
@@ -102,7 +126,10 @@ def dead_letter_messages(
         return []
     problem = topic_problem(topic)
     if problem is not None:
-        copies.update((id(d.event), problem) for d in discards)
+        verdict, error = problem
+        if verdict == Verdict.HELD:
+            verdict = Verdict.RETRIABLE  # the copy is made once the topic can take it
+        copies.update((id(d.event), (verdict, error)) for d in discards)
         return []
     return [
         Message(
@@ -136,5 +163,8 @@ def note_copies(
                 Verdict.RETRIABLE,
                 "no delivery report for the dead-letter copy",
             )
+        elif delivery.verdict in (Verdict.HELD, Verdict.BATCH_REJECTED):
+            # Not the copy's own fault: it is made again with the event's next try.
+            copies[id(discard.event)] = (Verdict.RETRIABLE, delivery.error)
         else:
             copies[id(discard.event)] = (delivery.verdict, delivery.error)

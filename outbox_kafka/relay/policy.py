@@ -16,6 +16,9 @@ from outbox_kafka.relay.boundaries import Delivery
 from outbox_kafka.relay.settings import RelaySettings
 from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
 
+#: The longest wait before a held key is looked at again (jittered, at most the backoff cap).
+HOLD_SECONDS = 5.0
+
 #: A dead-letter copy that did not go out in this batch: the event is retried later.
 COPY_NOT_SENT: Problem = (Verdict.RETRIABLE, "the dead-letter copy was not sent in this batch")
 
@@ -79,6 +82,15 @@ class Discard:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """An event that waits for an operator (its topic is missing, access is not
+    granted): its key stops at it, no attempt is counted, and it is tried again."""
+
+    event: ClaimedEvent
+    error: str | None
+
+
+@dataclass(frozen=True)
 class OrderViolation:
     """A later event of a key that Kafka took while an earlier one did not get there."""
 
@@ -86,7 +98,7 @@ class OrderViolation:
     later: ClaimedEvent
 
 
-Decision = Retry | Discard | OrderViolation
+Decision = Retry | Discard | Hold | OrderViolation
 
 
 @dataclass
@@ -111,6 +123,10 @@ class Settlement:
     @property
     def discards(self) -> list[Discard]:
         return [d for d in self.decisions if isinstance(d, Discard)]
+
+    @property
+    def holds(self) -> list[Hold]:
+        return [d for d in self.decisions if isinstance(d, Hold)]
 
     @property
     def order_violations(self) -> list[OrderViolation]:
@@ -208,10 +224,17 @@ class RetryPolicy:
             in_producer = in_producer or verdict == Verdict.UNREPORTED
             if blocked:
                 continue
-            if verdict in (Verdict.UNSENT, Verdict.UNREPORTED):
-                # Not handed over, or still inside the producer: leave it pending.
+            if verdict in (Verdict.UNSENT, Verdict.UNREPORTED, Verdict.BATCH_REJECTED):
+                # Not handed over, still inside the producer, or refused with its
+                # batch and not sent alone yet: leave it pending, no attempt counted.
                 held_back = held_back or event
                 blocked, next_seq = True, event.seq
+                continue
+            if verdict == Verdict.HELD:
+                settled.decisions.append(Hold(event, error))
+                held_back = held_back or event
+                blocked, next_seq = True, event.seq
+                delay = self._hold(event, error, out, rehearsal)
                 continue
             attempt = event.attempts + 1
             if not self.gives_up(event, verdict):
@@ -274,6 +297,20 @@ class RetryPolicy:
             rehearsal=True,
         )
         return assumed.discards
+
+    def _hold(
+        self, event: ClaimedEvent, error: str | None, out: list[EventOutcome], rehearsal: bool
+    ) -> float:
+        """Keep a held event pending, its attempts as they were; the delay before the
+        key is looked at again."""
+        ceiling = min(self.backoff_cap, HOLD_SECONDS)
+        delay = 0.0 if rehearsal else ceiling / 2 + self.rng.random() * ceiling / 2
+        out.append(
+            EventOutcome(
+                event.event_id, event.key, EventStatus.PENDING, 0, delay, None, None, error
+            )
+        )
+        return delay
 
     def _retry_later(
         self, event: ClaimedEvent, error: str | None, out: list[EventOutcome], rehearsal: bool

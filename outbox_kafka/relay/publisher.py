@@ -16,7 +16,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.limits import KAFKA_MESSAGE_MAX_BYTES
@@ -32,18 +37,34 @@ log = logging.getLogger("outbox_kafka.publisher")
 #: After a failed metadata fetch, topic checks fail fast for this long.
 METADATA_RETRY_SECONDS = 2.0
 
+#: How long a topic's max.message.bytes, as the broker told it, is trusted.
+TOPIC_LIMIT_SECONDS = 60.0
+
 # Errors no retry can fix: the event is set aside at once.
 _PERMANENT_CODES = {
     KafkaError.MSG_SIZE_TOO_LARGE,
     KafkaError.INVALID_MSG_SIZE,
-    KafkaError.RECORD_LIST_TOO_LARGE,
-    KafkaError.INVALID_RECORD,
     KafkaError.TOPIC_EXCEPTION,
-    KafkaError.TOPIC_AUTHORIZATION_FAILED,
-    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError._INVALID_ARG,
+}
+
+# Errors an operator fixes outside the event (create the topic, grant access):
+# the event's key waits, in order, until then; nothing is discarded.
+_HELD_CODES = {
     KafkaError._UNKNOWN_TOPIC,
     KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError._INVALID_ARG,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+}
+
+# Errors a broker gives every message of a record batch (or of a whole produce
+# request) when it refuses the batch: in a delivery report they do not say
+# which message is at fault. produce() raising them names its own message.
+_BATCH_CODES = {
+    KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError.INVALID_MSG_SIZE,
+    KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.INVALID_RECORD,
 }
 
 
@@ -64,12 +85,24 @@ def _needs_rebuild(err: KafkaError) -> bool:
     return bool(err.fatal()) or err.code() in _REBUILD_CODES
 
 
-def _verdict(err: KafkaError) -> Verdict:
-    if _needs_rebuild(err):
+def classify(code: int, *, reported: bool) -> Verdict:
+    """The verdict of a Kafka error ``code``: from a delivery report (``reported``),
+    or raised by ``produce()`` for the message alone."""
+    if code in _REBUILD_CODES:
         return Verdict.RETRIABLE  # the producer is rebuilt; the event itself is fine
-    if err.code() in _PERMANENT_CODES:
+    if code in _HELD_CODES:
+        return Verdict.HELD
+    if reported and code in _BATCH_CODES:
+        return Verdict.BATCH_REJECTED
+    if code in _PERMANENT_CODES:
         return Verdict.PERMANENT
     return Verdict.RETRIABLE
+
+
+def _verdict(err: KafkaError, *, reported: bool) -> Verdict:
+    if _needs_rebuild(err):
+        return Verdict.RETRIABLE
+    return classify(err.code(), reported=reported)
 
 
 def _describe(err: KafkaError) -> str:
@@ -106,6 +139,8 @@ class Publisher:
         self._admin_config = admin_config
         self._create_partitions = create_partitions
         self._known_topics: set[str] = set()
+        #: By topic: (its max.message.bytes or None where not told, when it was read).
+        self._topic_limits: dict[str, tuple[int | None, float]] = {}
         self._metadata_timeout = metadata_timeout
         self._metadata_retry_at = 0.0
         self._metadata_error = ""
@@ -167,12 +202,19 @@ class Publisher:
                 self._known_topics.add(name)
         if topic in self._known_topics:
             return None
+        listed = metadata.topics.get(topic)
+        error = listed.error if listed is not None else None
+        if isinstance(error, KafkaError) and error.code() in _HELD_CODES - {
+            KafkaError.UNKNOWN_TOPIC_OR_PART
+        }:
+            # The topic is there, but this relay may not see or write it.
+            return Verdict.HELD, f"{_describe(error)} (topic {topic!r}; its events wait)"
         if self._create_partitions:
             return self._create(topic)
         return (
-            Verdict.PERMANENT,
+            Verdict.HELD,
             f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
-            "(create it, or run the relay with --create-topics N)",
+            "(create it, or run the relay with --create-topics N; its events wait)",
         )
 
     def _create(self, topic: str) -> Problem | None:
@@ -186,8 +228,8 @@ class Publisher:
             err = exc.args[0] if exc.args else None
             if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                 return (
-                    Verdict.RETRIABLE,
-                    f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc}",
+                    Verdict.HELD,
+                    f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc} (its events wait)",
                 )
         log.info(
             "created topic",
@@ -195,6 +237,30 @@ class Publisher:
         )
         self._known_topics.add(topic)
         return None
+
+    def message_limit(self, topic: str) -> int | None:
+        """The largest message ``topic`` takes (its ``max.message.bytes``), where the
+        broker tells it (DescribeConfigs) and the producer does not compress: a
+        compressed batch may fit a limit its messages exceed. Read again after a minute,
+        so that a limit an operator raises takes effect."""
+        if self._config.get("compression.type", "none") != "none":
+            return None
+        now = time.monotonic()
+        cached = self._topic_limits.get(topic)
+        if cached is not None and now - cached[1] < TOPIC_LIMIT_SECONDS:
+            return cached[0]
+        limit: int | None = None
+        try:
+            resource = ConfigResource(ResourceType.TOPIC, topic)
+            futures = self._admin_client().describe_configs(
+                [resource], request_timeout=self._metadata_timeout
+            )
+            entry = futures[resource].result(self._metadata_timeout).get("max.message.bytes")
+            limit = int(entry.value)
+        except (KafkaException, AttributeError, KeyError, TypeError, ValueError):
+            limit = None  # not told: the broker's answer to the send decides
+        self._topic_limits[topic] = (limit, now)
+        return limit
 
     # Sending --------------------------------------------------------------
 
@@ -239,7 +305,7 @@ class Publisher:
                 err = exc.args[0] if exc.args else None
                 delivery.reported = True
                 if isinstance(err, KafkaError):
-                    delivery.verdict = _verdict(err)
+                    delivery.verdict = _verdict(err, reported=False)
                     delivery.error = _describe(err)
                     delivery.fatal = _needs_rebuild(err)
                 else:
@@ -278,7 +344,7 @@ class Publisher:
                 delivery.partition = msg.partition()
                 delivery.offset = msg.offset()
             else:
-                delivery.verdict = _verdict(err)
+                delivery.verdict = _verdict(err, reported=True)
                 delivery.error = _describe(err)
                 delivery.fatal = _needs_rebuild(err)
             delivery.reported = True

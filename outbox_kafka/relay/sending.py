@@ -20,7 +20,9 @@ from outbox_kafka.relay.boundaries import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.planning import dead_letter_messages, note_copies, plan_batch
 from outbox_kafka.relay.policy import (
+    BatchResults,
     Discard,
+    Hold,
     OrderViolation,
     Retry,
     RetryPolicy,
@@ -28,7 +30,7 @@ from outbox_kafka.relay.policy import (
     error_label,
 )
 from outbox_kafka.relay.tracing import SendTracing
-from outbox_kafka.relay.verdicts import Problem
+from outbox_kafka.relay.verdicts import Problem, Verdict
 
 log = logging.getLogger("outbox_kafka.relay")
 
@@ -67,7 +69,7 @@ class BatchSender:
     def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
         """Send the claimed events; decide every key's and event's next state."""
         topic_problem = self.publisher.topic_problem
-        plan = plan_batch(claim, problems, topic_problem, self.policy)
+        plan = plan_batch(claim, problems, topic_problem, self.policy, self.publisher.message_limit)
         results = plan.results
         first = plan.discarded_first
         first_copies = dead_letter_messages(
@@ -78,6 +80,7 @@ class BatchSender:
             sent = deliveries[: len(plan.messages)]
             results.deliveries = {id(e): d for e, d in zip(plan.events, sent, strict=True)}
             note_copies(first, deliveries[len(plan.messages) :], results.copies)
+            self._send_alone(plan.events, plan.messages, results, lease_ends)
 
         later = [
             discard
@@ -103,6 +106,43 @@ class BatchSender:
         for topic, count in published.items():
             self.metrics.published.labels(topic=topic).inc(count)
         return batch
+
+    def _send_alone(
+        self,
+        events: list[ClaimedEvent],
+        messages: list[Message],
+        results: BatchResults,
+        lease_ends: float,
+    ) -> None:
+        """Send each event the broker refused with its record batch again on its own,
+        in its key's order, so that only a message refused alone is found at fault.
+
+        A key stops at its first event that does not get through alone; the ones
+        after it are left unsent (tried again in a later batch, no attempt counted).
+        """
+        refused = [
+            (event, message)
+            for event, message in zip(events, messages, strict=True)
+            if results.deliveries[id(event)].verdict == Verdict.BATCH_REJECTED
+        ]
+        if not refused:
+            return
+        log.warning(
+            "the broker refused a record batch; sending its messages one by one",
+            extra={"action": "send_alone", "messages": len(refused)},
+        )
+        stopped: set[str] = set()
+        for event, message in refused:
+            if event.key in stopped:
+                results.deliveries[id(event)] = Delivery()
+                continue
+            (delivery,) = self._within_lease([message], lease_ends)
+            if delivery.reported and delivery.verdict == Verdict.BATCH_REJECTED:
+                delivery.verdict = Verdict.PERMANENT
+                delivery.error = f"{delivery.error} (refused when sent alone)"
+            results.deliveries[id(event)] = delivery
+            if delivery.verdict != Verdict.DELIVERED or not delivery.reported:
+                stopped.add(event.key)
 
     def _within_lease(self, messages: list[Message], lease_ends: float) -> list[Delivery]:
         """Send ``messages`` if the lease outlasts their delivery timeout; else none (unsent).
@@ -135,6 +175,8 @@ class BatchSender:
         for decision in settled.decisions:
             if isinstance(decision, OrderViolation):
                 self._order_violated(decision)
+            elif isinstance(decision, Hold):
+                self._held(decision)
             elif isinstance(decision, Retry) and decision.copy_failed:
                 self._copy_failed(decision.event, decision.attempt, decision.error)
             elif isinstance(decision, Retry):
@@ -148,6 +190,14 @@ class BatchSender:
                 )
             else:
                 self._discarded(decision)
+
+    def _held(self, hold: Hold) -> None:
+        event = hold.event
+        self.metrics.held.labels(topic=event.topic, reason=error_label(hold.error)).inc()
+        log.error(
+            "event held until an operator fixes its topic; its key waits",
+            extra=event_fields(event, "hold", event.attempts, hold.error),
+        )
 
     def _discarded(self, discard: Discard) -> None:
         if discard.copy_failed is not None:

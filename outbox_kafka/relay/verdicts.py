@@ -14,6 +14,13 @@ class Verdict(StrEnum):
     RETRIABLE = "retriable"
     #: It failed in a way no retry can fix: set aside at once.
     PERMANENT = "permanent"
+    #: It cannot go out until an operator fixes something outside it (its topic
+    #: is missing, access to it is not granted): its key waits, in order, and is
+    #: tried again every few seconds; no attempt is counted, nothing is discarded.
+    HELD = "held"
+    #: The broker refused the whole record batch it went in: whether the message
+    #: itself is at fault is known only once it is sent alone.
+    BATCH_REJECTED = "batch_rejected"
     #: It never reached the producer (not sent: lease too short, shutdown, earlier failure).
     UNSENT = "unsent"
     #: The producer took it, but no delivery report came before the wait ended.

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError
 
 from outbox_kafka import DuplicateEventId, Event, InvalidKey, Outbox
 from outbox_kafka.errors import StorageError
@@ -16,6 +17,7 @@ from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey
 from outbox_kafka.relay.boundaries import Delivery, Message
 from outbox_kafka.relay.policy import BatchResults, RetryPolicy
+from outbox_kafka.relay.publisher import classify
 from outbox_kafka.relay.settings import RelaySettings
 from outbox_kafka.relay.verdicts import EventStatus, Verdict
 from outbox_kafka.testing import InMemoryStore, StubPublisher
@@ -348,3 +350,98 @@ def test_a_batch_whose_record_failed_at_shutdown_is_the_only_one_left_unrecorded
     draining.join(timeout=10)
     assert not draining.is_alive()
     assert len(kafka.sends) == 1 and len(kafka.messages()) == 4
+
+
+# ---------------------------------------------------------------- edges: holds and batch refusals
+
+
+def test_a_held_event_stops_its_key_without_counting_an_attempt() -> None:
+    key, events = _key(2, attempts=2)
+    results = BatchResults(
+        problems={id(events[0]): (Verdict.HELD, "UNKNOWN_TOPIC: topic 't' does not exist")}
+    )
+    settled = _policy(max_attempts=3).settle(key, events, results, per_key_limit=10)
+    assert _statuses(settled.events) == ["pending"] and settled.events[0].attempts_added == 0
+    assert settled.key.next_seq == 1 and 0 < settled.key.delay <= 5.0
+    assert [h.event for h in settled.holds] == events[:1] and settled.discards == []
+
+
+def test_a_missing_topic_holds_its_events_in_order_until_it_exists() -> None:
+    store = InMemoryStore()
+    missing = (Verdict.HELD, "UNKNOWN_TOPIC: topic 't' does not exist")
+    kafka = StubPublisher(topic_problems={"t": missing})
+    _enqueue(store, "a", 3)
+    _enqueue(store, "b", 2, topic="other")
+    relay = _relay(store, kafka, max_attempts=1)
+    for _ in range(3):
+        relay.drain()
+        for stored in store.events("a"):
+            stored.available_at = 0.0
+        store._keys["a"].due_at = 0.0
+    assert [e.status for e in store.events("a")] == ["pending"] * 3
+    assert [e.attempts for e in store.events("a")] == [0, 0, 0]
+    assert [m.key for m in kafka.messages()] == [b"b", b"b"]
+    del kafka.topic_problems["t"]
+    relay.drain()
+    assert [m.event_id for m in kafka.messages("t")] == [e.event_id for e in store.events("a")]
+
+
+class _RecordBatchBroker(StubPublisher):
+    """Refuses a whole send when any message in it is poisoned, as a broker refuses a
+    record batch: every message of it gets the batch's error, in a delivery report."""
+
+    def send(self, messages, *, timeout, abort=None):  # type: ignore[no-untyped-def]
+        if len(messages) > 0 and any(b'"poison":true' in m.value for m in messages):
+            self.sends.append(list(messages))
+            return [
+                Delivery(
+                    classify(KafkaError.INVALID_RECORD, reported=True),
+                    error="INVALID_RECORD: Broker failed to validate record",
+                    sent=True,
+                    reported=True,
+                )
+                for _ in messages
+            ]
+        return super().send(messages, timeout=timeout, abort=abort)
+
+
+def test_a_record_batch_the_broker_refuses_discards_only_the_event_refused_alone() -> None:
+    store, kafka = InMemoryStore(), _RecordBatchBroker()
+    outbox = _outbox()
+    for key, data in [("a", {"i": 0}), ("b", {"poison": True}), ("b", {"i": 1}), ("c", {"i": 2})]:
+        store.enqueue(outbox, Event(type="x.y", key=key, topic="t", data=data))
+    report = _relay(store, kafka).drain()
+    statuses = {k: [e.status for e in store.events(k)] for k in "abc"}
+    assert statuses == {"a": ["delivered"], "b": ["discarded", "delivered"], "c": ["delivered"]}
+    assert "refused when sent alone" in (store.events("b")[0].error or "")
+    assert report.discarded == 1
+
+
+def test_an_event_larger_than_its_topic_takes_is_refused_naming_the_limit() -> None:
+    store, kafka = InMemoryStore(), StubPublisher(message_limits={"t": 300})
+    _enqueue(store, "a", 1)
+    store.enqueue(_outbox(), Event(type="x.y", key="b", topic="t", data={"pad": "x" * 400}))
+    _relay(store, kafka).drain()
+    assert [m.key for m in kafka.messages()] == [b"a"]
+    (big,) = store.events("b")
+    assert big.status == "discarded" and "max.message.bytes (300)" in (big.error or "")
+
+
+@pytest.mark.parametrize(
+    ("code", "reported", "verdict"),
+    [
+        (KafkaError._UNKNOWN_TOPIC, False, Verdict.HELD),
+        (KafkaError.UNKNOWN_TOPIC_OR_PART, True, Verdict.HELD),
+        (KafkaError.TOPIC_AUTHORIZATION_FAILED, True, Verdict.HELD),
+        (KafkaError.MSG_SIZE_TOO_LARGE, True, Verdict.BATCH_REJECTED),
+        (KafkaError.RECORD_LIST_TOO_LARGE, True, Verdict.BATCH_REJECTED),
+        (KafkaError.INVALID_RECORD, True, Verdict.BATCH_REJECTED),
+        (KafkaError.MSG_SIZE_TOO_LARGE, False, Verdict.PERMANENT),
+        (KafkaError.REQUEST_TIMED_OUT, True, Verdict.RETRIABLE),
+        (KafkaError.PRODUCER_FENCED, True, Verdict.RETRIABLE),
+    ],
+)
+def test_kafka_errors_are_classed_by_whose_fault_they_name(
+    code: int, reported: bool, verdict: Verdict
+) -> None:
+    assert classify(code, reported=reported) == verdict
