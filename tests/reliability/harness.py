@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -536,6 +536,80 @@ def audit(engine: sa.Engine, generations: Sequence[Sequence[Record]]) -> Audit:
         wrong_marks=wrong_marks,
         statuses=dict(statuses),
     )
+
+
+def commit_order_violations(
+    delivered: Iterable[tuple[str, str]],
+    committed: Mapping[str, int],
+    *,
+    ignore: Container[str] = (),
+) -> list[str]:
+    """Where a key's events, by first copy, did not reach a reader in commit order.
+
+    ``delivered`` is (event id, key) of every record in the order a reader of
+    one topic sees them (per partition, by offset; a key is on one partition);
+    ``committed`` maps each event id to its place in its key's commit order.
+    The places must come from the writers (see ``writer_commit_order``), not
+    from the outbox's sequence numbers: a key whose counter retention deleted
+    numbers its events from 1 again, so sequence numbers order a key's events
+    only within one life of its counter. Later copies of an event (duplicates)
+    and the events in ``ignore`` are not compared; ids not in ``committed``
+    are the phantom check's business.
+    """
+    last: dict[str, tuple[int, str]] = {}
+    seen: set[str] = set()
+    violations = []
+    for event_id, key in delivered:
+        if event_id in seen:
+            continue
+        seen.add(event_id)
+        if event_id in ignore or event_id not in committed:
+            continue
+        place = committed[event_id]
+        before = last.get(key)
+        if before is not None and place <= before[0]:
+            violations.append(
+                f"{key}: {event_id} (commit #{place}) after {before[1]} (commit #{before[0]})"
+            )
+        last[key] = (place, event_id)
+    return violations
+
+
+#: The writers' own count of each key's committed events (see :func:`take_commit_places`).
+WRITER_COMMIT_ORDER = (
+    "CREATE TABLE writer_commit_order (ordering_key text PRIMARY KEY, n bigint NOT NULL)"
+)
+
+
+def take_commit_places(conn: sa.Connection, keys: Sequence[str]) -> list[int]:
+    """Each of ``keys``' place in its key's commit order, in this transaction.
+
+    ``keys`` are the keys of the events about to be enqueued, in their order.
+    Each key's row of ``writer_commit_order`` is counted on and held until the
+    commit, in key order (before the outbox's counters, also taken in key
+    order: no deadlock), so a key's places follow its transactions' commit
+    order, across writers, and are never reset by retention.
+    """
+    counts: dict[str, int] = defaultdict(int)
+    for key in keys:
+        counts[key] += 1
+    upto = {
+        key: int(
+            conn.execute(
+                sa.text(
+                    "INSERT INTO writer_commit_order AS o (ordering_key, n) VALUES (:key, :n) "
+                    "ON CONFLICT (ordering_key) DO UPDATE SET n = o.n + EXCLUDED.n RETURNING o.n"
+                ),
+                {"key": key, "n": n},
+            ).scalar_one()
+        )
+        for key, n in sorted(counts.items())
+    }
+    places = []
+    for key in reversed(keys):
+        places.append(upto[key])
+        upto[key] -= 1
+    return places[::-1]
 
 
 def check_writer(engine: sa.Engine, writer: Writer) -> None:
