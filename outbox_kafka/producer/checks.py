@@ -154,9 +154,10 @@ MAX_DELAY = timedelta(days=100 * 366)
 def check_delay(value: object, available_at: object) -> float:
     """``value`` in seconds if it is a timedelta from zero to :data:`MAX_DELAY`, else raise.
 
-    A delay counts from the database's ``now()`` when the event is written, so
-    a skewed application clock does not shift it; ``available_at`` is for
-    absolute times, and only one of the two may be given.
+    A delay counts from the database's ``now()``, the start of the transaction
+    that writes the event (not the call), so a skewed application clock does
+    not shift it; ``available_at`` is for absolute times, and only one of the
+    two may be given.
     """
     if available_at is not None:
         raise InvalidTimestamp(

@@ -1,10 +1,15 @@
 """A key whose counter retention deleted starts again at 1: the windows around that.
 
 Each window is opened with a transaction held open on a second connection,
-never with timing: here, a requeue under way when the purge looks at the key.
+never with timing: a requeue under way when the purge looks at the key, and a
+REPEATABLE READ or SERIALIZABLE writer whose snapshot still shows the counter
+the purge deletes (deleted and committed, or deleted by a purge that has not
+committed yet).
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import sqlalchemy as sa
@@ -12,8 +17,8 @@ import sqlalchemy as sa
 from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge
-from outbox_kafka.queries import pg_array, queries_for
-from tests.relay_support import rows, scalar
+from outbox_kafka.queries import pg_array, pg_int_array, pg_text_array, queries_for
+from tests.relay_support import rows, scalar, wait_until
 
 KEY = "k-restart"
 OUTBOX = Outbox(allow_unknown_types=True)
@@ -86,4 +91,81 @@ def test_a_requeue_under_way_keeps_the_key_counting_on(
         [later] = _enqueue(conn, 1)
     assert _seq(engine, later) == 3
     assert rows(engine, "SELECT ordering_key, next_seq FROM outbox_keys") == [(KEY, discarded_seq)]
+    assert check_consistency(engine).ok
+
+
+def _purge_statements(conn: sa.Connection) -> None:
+    """The relay's purge transaction (retention.purge_old_events), not committed."""
+    purged = conn.execute(Q["purge_delivered"], {"older_than_seconds": 0, "batch": 1000}).all()
+    conn.execute(
+        Q["forget_idle_counters"],
+        {
+            "key_names": pg_text_array([r.ordering_key for r in purged]),
+            "seqs": pg_int_array(r.seq for r in purged),
+        },
+    )
+
+
+@pytest.mark.parametrize("purge_committed", [True, False], ids=["committed", "under_way"])
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_writer_whose_snapshot_predates_the_purge_starts_the_key_again(
+    engine: sa.Engine, level: str, purge_committed: bool
+) -> None:
+    """No serialization error: the writer inserts a new counter (it updates no row
+    that changed after its snapshot), and its event is the key's first again."""
+    with engine.begin() as conn:
+        _enqueue(conn, 3)
+    _done(engine, {1: "delivered", 2: "delivered", 3: "delivered"})
+
+    writer = engine.connect().execution_options(isolation_level=level)
+    purger = engine.connect()
+    written: list[str] = []
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            written.extend(_enqueue(writer, 1))
+            writer.commit()
+        except BaseException as exc:
+            failed.append(exc)
+
+    try:
+        writer.begin()
+        seen = writer.execute(
+            sa.text("SELECT last_seq FROM outbox_key_seq WHERE ordering_key = :k"), {"k": KEY}
+        ).scalar_one()
+        assert seen == 3  # the snapshot is taken, with the counter in it
+        purger.begin()
+        _purge_statements(purger)
+        if purge_committed:
+            purger.commit()
+            write()
+        else:
+            pid = writer.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+            thread = threading.Thread(target=write, daemon=True)
+            thread.start()
+            wait_until(
+                lambda: (
+                    scalar(
+                        engine, "SELECT wait_event_type FROM pg_stat_activity WHERE pid = :p", p=pid
+                    )
+                    == "Lock"
+                ),
+                10,
+                interval=0.02,
+                what="the writer waiting for the purge's transaction",
+            )
+            purger.commit()
+            thread.join(10)
+            assert not thread.is_alive()
+    finally:
+        writer.close()
+        purger.close()
+
+    assert not failed, failed
+    [event_id] = written
+    assert _seq(engine, event_id) == 1
+    assert _counter(engine) == 1
+    assert rows(engine, "SELECT ordering_key, first_seq FROM outbox_arrivals") == [(KEY, 1)]
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE ordering_key = :k", k=KEY) == 1
     assert check_consistency(engine).ok
