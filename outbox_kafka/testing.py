@@ -1,7 +1,8 @@
 """In-memory fakes of the relay's two boundaries, for tests without PostgreSQL or Kafka.
 
 :class:`InMemoryStore` keeps an outbox in memory with the store's contract (per-key
-sequence numbers, leases fenced by a claim token, retries, parking);
+sequence numbers, keys claimed in their order in the queue, the claim's byte budget,
+leases fenced by a claim token, retries, parking);
 :class:`StubPublisher` records what would reach Kafka and answers as told. A
 :class:`~outbox_kafka.relay.Relay` runs on them unchanged, so a test can check the
 messages an application's events become, exactly as the relay would send them::
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from outbox_kafka.errors import DuplicateEventId
+from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.outbox import Event, Outbox
@@ -41,6 +43,7 @@ from outbox_kafka.relay.boundaries import Delivery, Message
 from outbox_kafka.relay.reports import Remaining
 from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
 from outbox_kafka.relay.wakeups import Wakeups
+from outbox_kafka.stored_headers import headers_size
 
 if TYPE_CHECKING:
     from outbox_kafka.producer.writing import AsyncConnectable
@@ -71,6 +74,8 @@ class StoredEvent:
 @dataclass
 class _Key:
     next_seq: int = 1
+    #: The key's place in the queue: it is claimed when this time has come, the
+    #: keys due first first. While leased, the lease's end.
     due_at: float = 0.0
     token: uuid.UUID | None = None
     lease_until: float = 0.0
@@ -139,7 +144,11 @@ class InMemoryStore:
         event_id: str | None = None,
         delay: float = 0.0,
     ) -> StoredEvent:
-        """Store an event as given (no validation): the next of its key."""
+        """Store an event as given (no validation): the next of its key.
+
+        A key not in the queue joins it, due when this event is (as a producer's
+        arrival does); a key in the queue, or leased, keeps its place.
+        """
         state = self._keys.setdefault(key, _Key())
         seq = state.events[-1].seq + 1 if state.events else 1
         stored = StoredEvent(
@@ -152,6 +161,8 @@ class InMemoryStore:
             list(headers),
             available_at=self._clock() + delay,
         )
+        if state.token is None and not _queued(state):
+            state.due_at = stored.available_at
         state.events.append(stored)
         return stored
 
@@ -171,29 +182,44 @@ class InMemoryStore:
         batch_size: int,
         lease_seconds: float,
         max_keys: int | None = None,
-        max_bytes: int = 0,
+        max_bytes: int = DEFAULT_MAX_CLAIM_BYTES,
     ) -> Claim:
+        """Lease up to ``max_keys`` keys (default ``batch_size``) and read their next
+        events, as the relay's store does (``claim_keys`` and ``claim_events``).
+
+        The keys due, not parked and not leased are taken in their order in the
+        queue (due time, then name), and leased for ``lease_seconds``. Each brings
+        up to its even share of ``batch_size`` events; the byte budget
+        (:meth:`_fit_budget`) leaves the rest out and marks their keys withheld.
+        """
         now = self._clock()
         token = uuid.uuid4()
-        chosen = [
-            (name, state)
-            for name, state in sorted(self._keys.items())
-            if not state.parked
-            and state.due_at <= now
-            and (state.token is None or state.lease_until <= now)
-            and any(e.seq >= state.next_seq for e in state.events)
-        ][: max_keys or batch_size]
-        per_key = max(1, batch_size // max(1, len(chosen)))
+        line = sorted(
+            (
+                (name, state)
+                for name, state in self._keys.items()
+                if not state.parked
+                and state.due_at <= now
+                and (state.token is None or state.lease_until <= now)
+                and _queued(state)
+            ),
+            key=lambda item: (item[1].due_at, item[0]),
+        )[: max_keys or batch_size]
+        per_key = max(1, batch_size // max(1, len(line)))
+        read = [(name, _pending(state)[:per_key]) for name, state in line]
+        brought = self._fit_budget(read, max_bytes)
         keys: list[ClaimedKey] = []
-        for name, state in chosen:
+        for (name, state), (_, events) in zip(line, read, strict=True):
+            claimed = ClaimedKey(
+                name,
+                state.next_seq,
+                last_seq=state.events[-1].seq,
+                withheld=brought[name] < len(events),
+                due_at=state.due_at,
+            )
             state.token, state.lease_until = token, now + lease_seconds
-            pending = [
-                e
-                for e in state.events
-                if e.seq >= state.next_seq and e.status == EventStatus.PENDING
-            ]
-            claimed = ClaimedKey(name, state.next_seq, last_seq=state.events[-1].seq)
-            for e in pending[:per_key]:
+            state.due_at = now + lease_seconds
+            for e in events[: brought[name]]:
                 claimed.events.append(
                     ClaimedEvent(
                         e.event_id,
@@ -209,7 +235,41 @@ class InMemoryStore:
                     )
                 )
             keys.append(claimed)
+        keys.sort(key=lambda k: k.key)  # as claim_events returns them
         return Claim(token, keys, per_key)
+
+    @staticmethod
+    def _fit_budget(
+        line: Sequence[tuple[str, Sequence[StoredEvent]]], max_bytes: int
+    ) -> dict[str, int]:
+        """How many of each key's events a claim of ``max_bytes`` brings.
+
+        ``line`` holds the claimed keys in their order in the queue, each with
+        the events read for it. As in ``claim_events``, the bytes are counted
+        round robin: every key's first event, then every key's second, and so
+        on, the keys in that order each time. An event that starts at or past
+        the budget is left out, and so is every event after it in that order:
+        a key due earlier is served before one due later, and a key the budget
+        left out keeps its place for the next claim (its record keeps its due
+        time). The first event always comes (the budget is positive).
+
+        An event counts its value and its headers' names and values. PostgreSQL
+        counts the headers' stored jsonb instead (a few bytes more per header,
+        less when compressed): where the budget ends within a few bytes of an
+        event's start, the two may bring one event more or fewer.
+        """
+        brought = {name: 0 for name, _ in line}
+        used = 0
+        for position in range(max((len(events) for _, events in line), default=0)):
+            for name, events in line:
+                if position >= len(events):
+                    continue
+                if used >= max_bytes:
+                    return brought
+                event = events[position]
+                used += len(event.value) + headers_size(event.headers)
+                brought[name] += 1
+        return brought
 
     def record(
         self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]
@@ -238,7 +298,7 @@ class InMemoryStore:
             state = self._keys[key.key]
             state.token, state.lease_until = None, 0.0
             state.next_seq = key.next_seq
-            state.due_at = now + key.delay
+            state.due_at = now + key.delay if key.due_at is None else key.due_at
             state.parked = key.park
             if key.drained and not key.park and state.events[-1].seq < key.next_seq:
                 removed += 1
@@ -305,6 +365,16 @@ class InMemoryStore:
     def _owns(self, key: str, token: uuid.UUID) -> bool:
         state = self._keys.get(key)
         return state is not None and state.token == token
+
+
+def _queued(state: _Key) -> bool:
+    """Whether the key is in the queue: it has events from its ``next_seq`` on."""
+    return bool(state.events) and state.events[-1].seq >= state.next_seq
+
+
+def _pending(state: _Key) -> list[StoredEvent]:
+    """The key's pending events from its ``next_seq`` on, in sequence order."""
+    return [e for e in state.events if e.seq >= state.next_seq and e.status == EventStatus.PENDING]
 
 
 class _MemoryWriter(OutboxWriter):

@@ -34,6 +34,9 @@ class ClaimedKey:
     last_seq: int | None = None
     #: Events of the key were left out of the claim to keep it within its byte budget.
     withheld: bool = False
+    #: When the key was due before the claim leased it, in the store's clock (seconds):
+    #: its place in the queue. None: unknown.
+    due_at: float | None = None
 
     @property
     def waiting(self) -> int:
@@ -76,11 +79,15 @@ class KeyOutcome(NamedTuple):
     #: Every event of the key up to the last one handed out is settled: the key may
     #: leave the queue (the record checks, under lock, that no writer added one since).
     drained: bool
+    #: When set, the key is due at this time (the store's clock, as in
+    #: :attr:`ClaimedKey.due_at`) instead of ``delay`` seconds after the record.
+    due_at: float | None = None
 
     @classmethod
     def unchanged(cls, key: ClaimedKey) -> KeyOutcome:
-        """The key handed back as it was claimed, due again at once."""
-        return cls(key.key, key.next_seq, 0.0, False, False)
+        """The key handed back as it was claimed: due when it was due before the claim,
+        so it keeps its place in the queue (at once when that is not known)."""
+        return cls(key.key, key.next_seq, 0.0, False, False, key.due_at)
 
 
 class EventOutcome(NamedTuple):

@@ -120,13 +120,13 @@ class Store:
             "admit_limit": _ADMIT_PER_KEY * (max_keys or batch_size),
         }
         try:
-            rows, as_text, per_key = self._claim_rows(params, as_text=True)
+            rows, as_text, per_key, due_ats = self._claim_rows(params, as_text=True)
         except _ValueNotText:
             # A value that is not UTF-8 (written behind the library's back) failed
             # the whole statement, which changed nothing: claim again with every
             # value in bytea's escape format. The relay discards that event as an
             # invalid envelope, and the claims after it are back on text.
-            rows, as_text, per_key = self._claim_rows(params, as_text=False)
+            rows, as_text, per_key, due_ats = self._claim_rows(params, as_text=False)
         keys: dict[str, ClaimedKey] = {}
         claimed: ClaimedKey | None = None
         for (
@@ -145,7 +145,9 @@ class Store:
         ) in rows:
             # Rows come ordered by key: a key's rows are consecutive.
             if claimed is None or claimed.key != key:
-                claimed = keys[key] = ClaimedKey(key, next_seq, last_seq=last_seq)
+                claimed = keys[key] = ClaimedKey(
+                    key, next_seq, last_seq=last_seq, due_at=due_ats[key]
+                )
             if withheld:
                 claimed.withheld = True
                 continue
@@ -196,9 +198,12 @@ class Store:
                 return
         self.arrivals_left = True
 
-    def _claim_rows(self, params: dict[str, Any], *, as_text: bool) -> tuple[list[Any], bool, int]:
-        """Run the claim; its rows, whether their values came as text, and each key's
-        share of the batch (the most events read per key)."""
+    def _claim_rows(
+        self, params: dict[str, Any], *, as_text: bool
+    ) -> tuple[list[Any], bool, int, dict[str, float]]:
+        """Run the claim; its rows, whether their values came as text, each key's
+        share of the batch (the most events read per key), and when each key was
+        due before the claim (seconds since the epoch)."""
         with self._cursor("claiming events") as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
             # The keys that producers added since the last claim join the queue
@@ -209,14 +214,16 @@ class Store:
             cur.execute(self._q.driver_sql("claim_keys"), params)
             leased = cur.fetchall()
             if not leased:
-                return [], as_text, params["batch_size"]
+                return [], as_text, params["batch_size"], {}
             per_key = max(1, params["batch_size"] // len(leased))
             try:
                 cur.execute(
                     self._q.driver_sql("claim_events"),
                     {
-                        "key_names": pg_text_array([key for key, _ in leased]),
-                        "key_next_seqs": pg_int_array([next_seq for _, next_seq in leased]),
+                        "key_names": pg_text_array([key for key, _, _ in leased]),
+                        "key_next_seqs": pg_int_array([next_seq for _, next_seq, _ in leased]),
+                        # The keys' places in the queue: the budget goes in their order.
+                        "key_due_ats": pg_array([due_at for _, _, due_at in leased]),
                         "per_key_limit": per_key,
                         "max_bytes": params["max_bytes"],
                         "values_as_text": as_text,
@@ -226,7 +233,7 @@ class Store:
                 if as_text and exc.pgcode in _NOT_UTF8_TEXT:
                     raise _ValueNotText from exc
                 raise
-            return cur.fetchall(), as_text, per_key
+            return cur.fetchall(), as_text, per_key, {key: due for key, _, due in leased}
 
     def record(
         self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]
@@ -239,6 +246,7 @@ class Store:
             "key_names": pg_array([k.key for k in keys]),
             "key_next_seqs": pg_int_array([k.next_seq for k in keys]),
             "key_delays": pg_array([k.delay for k in keys]),
+            "key_due_ats": pg_array([k.due_at for k in keys]),
             "key_parks": pg_array([k.park for k in keys]),
             "key_drained": pg_array([k.drained for k in keys]),
             # Event ids are canonical UUID text: no quoting needed.

@@ -154,7 +154,12 @@ SELECT count(*) AS moved, max(ordering_key) AS last_key FROM moved;
 
 -- name: claim_keys
 -- Claims up to :max_keys due keys (skipping keys another relay is claiming)
--- and leases them for :lease_seconds; returns each key with its next_seq.
+-- and leases them for :lease_seconds; returns each key with its next_seq and
+-- the due time it had before this claim (seconds since the epoch): its place
+-- in the queue, which claim_events shares the byte budget out by and which
+-- a key the budget left out gets back when it is recorded. Keys due at the
+-- same moment are taken in index order: breaking the tie here would sort every
+-- key of a group, and one enqueue can make a million keys due at one moment.
 -- The events are read by claim_events, the next statement of the same
 -- transaction, and not here: a key row that changed after this statement's
 -- snapshot was taken (an operator's requeue lowering next_seq) is locked and
@@ -163,7 +168,7 @@ SELECT count(*) AS moved, max(ordering_key) AS last_key FROM moved;
 -- discarded. The next statement takes a new snapshot, after these locks are
 -- held, so it sees every change committed to these keys.
 WITH candidates AS (
-    SELECT ordering_key
+    SELECT ordering_key, due_at
     FROM {keys}
     WHERE due_at <= now() AND parked_at IS NULL
     ORDER BY due_at
@@ -174,12 +179,15 @@ UPDATE {keys} k
 SET claim_token = :token,
     lease_expires_at = now() + make_interval(secs => :lease_seconds),
     due_at = now() + make_interval(secs => :lease_seconds)
-WHERE k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
-RETURNING k.ordering_key, k.next_seq;
+FROM candidates c
+WHERE k.ordering_key = c.ordering_key
+  -- The array keeps the key lookups on the primary key's index.
+  AND k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
+RETURNING k.ordering_key, k.next_seq, CAST(EXTRACT(EPOCH FROM c.due_at) AS double precision);
 
 -- name: claim_events
 -- The next pending events of the keys claim_keys has just leased
--- (:key_names with their :key_next_seqs), up to :per_key_limit of each key
+-- (:key_names with their :key_next_seqs and :key_due_ats), up to :per_key_limit of each key
 -- (the relay's even share of its batch), in per-key sequence order; each row with its key's
 -- last sequence number handed out (so the relay knows how many events each
 -- key has waiting). Keys that turn out to have no visible pending event come
@@ -195,18 +203,24 @@ RETURNING k.ordering_key, k.next_seq;
 --
 -- At most :max_bytes of values and headers come back (as stored, read from
 -- the values' headers without fetching them), counted round-robin over the
--- keys (every key's first event, then every key's second, ...) so that no
--- key waits behind keys earlier in the alphabet: the events that start past
--- the budget come with NULL id, value and headers and withheld set, and the
--- relay hands their keys back untouched (for each key they are the last of
--- its events). The first event always comes, whatever its size.
+-- keys (every key's first event, then every key's second, ...), the keys in
+-- their order in the queue (the due time each had before the claim, then
+-- the key's bytes): the events that start past the budget come with NULL id,
+-- value and headers and withheld set, and the relay hands their keys back
+-- untouched, due when they were, so that they come first at the next claim
+-- (for each key they are the last of its events). The first event always
+-- comes, whatever its size.
 WITH claimed AS (
     SELECT *
-    FROM unnest(CAST(:key_names AS text[]), CAST(:key_next_seqs AS bigint[]))
-         AS c(ordering_key, next_seq)
+    FROM unnest(
+        CAST(:key_names AS text[]),
+        CAST(:key_next_seqs AS bigint[]),
+        CAST(:key_due_ats AS double precision[])
+    ) AS c(ordering_key, next_seq, due_at)
 ), read AS (
     SELECT c.ordering_key,
            c.next_seq,
+           c.due_at,
            e.event_id,
            e.seq,
            e.topic,
@@ -231,7 +245,8 @@ WITH claimed AS (
     ) e ON true
 ), budgeted AS (
     SELECT read.*,
-           COALESCE(sum(size) OVER (ORDER BY position, ordering_key ROWS UNBOUNDED PRECEDING)
+           COALESCE(sum(size) OVER (ORDER BY position, due_at, ordering_key COLLATE "C"
+                                    ROWS UNBOUNDED PRECEDING)
                     - size >= CAST(:max_bytes AS bigint),
                     false) AS withheld
     FROM read
@@ -261,16 +276,20 @@ ORDER BY ordering_key, seq;
 -- keys whose lease was taken over by another relay are left alone, and so
 -- are their events. A key found empty is removed from the queue only when no
 -- writer holds its counter and every sequence number handed out is done;
--- otherwise it is released and looked at again.
+-- otherwise it is released and looked at again. A key kept is due after its
+-- delay, or, given a due time (:key_due_ats, seconds since the epoch; NULL
+-- for none), at that time: a key handed back as it was claimed keeps its
+-- place in the queue.
 WITH batch_keys AS (
     SELECT *
     FROM unnest(
         CAST(:key_names AS text[]),
         CAST(:key_next_seqs AS bigint[]),
         CAST(:key_delays AS double precision[]),
+        CAST(:key_due_ats AS double precision[]),
         CAST(:key_parks AS boolean[]),
         CAST(:key_drained AS boolean[])
-    ) AS v(ordering_key, next_seq, delay, park, drained)
+    ) AS v(ordering_key, next_seq, delay, due_at, park, drained)
 ), removable AS (
     SELECT s.ordering_key
     FROM {seqs} s
@@ -286,7 +305,7 @@ WITH batch_keys AS (
 ), kept AS (
     UPDATE {keys} h
     SET next_seq = v.next_seq,
-        due_at = now() + make_interval(secs => v.delay),
+        due_at = COALESCE(to_timestamp(v.due_at), now() + make_interval(secs => v.delay)),
         claim_token = NULL,
         lease_expires_at = NULL,
         parked_at = CASE WHEN v.park THEN now() END
@@ -880,11 +899,25 @@ SELECT (SELECT count(*)
 -- many seconds until the first key that is not parked comes due (a lease
 -- ends, a backoff or a delay passes), NULL when none will. A key still among
 -- the arrivals counts as queued from its arrival's first_seq.
+-- Of the delayed ones, held: their key's next event was held back until an
+-- operator acts (its topic is missing, or access to it is not granted): no
+-- attempt counted (attempts = 0) and the reason in last_error; one retried
+-- has attempts > 0. With them, the held events' reasons, the one holding the
+-- most keys first (at most three), and how many different reasons there
+-- are: read from the waiting keys' next events, one claim-index probe each.
 WITH queued AS (
     SELECT ordering_key, next_seq, due_at, claim_token, lease_expires_at, parked_at FROM {keys}
     UNION ALL
     SELECT a.ordering_key, a.first_seq, a.due_at, NULL, NULL, NULL FROM {arrivals} a
     WHERE NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = a.ordering_key)
+), held_heads AS (
+    -- A key among the arrivals only was never sent, so never held.
+    SELECT h.last_error
+    FROM {keys} k
+    JOIN {events} h
+      ON h.ordering_key = k.ordering_key AND h.seq = k.next_seq AND h.status = 'pending'
+    WHERE k.parked_at IS NULL AND NOT COALESCE(k.lease_expires_at > now(), false)
+      AND k.due_at > now() AND h.attempts = 0 AND h.last_error IS NOT NULL
 )
 SELECT count(*) AS pending,
        count(*) FILTER (WHERE k.ordering_key IS NULL OR e.seq < k.next_seq) AS unreachable,
@@ -899,10 +932,17 @@ SELECT count(*) AS pending,
                           AND k.due_at > now() AND COALESCE(h.attempts, 0) = 0) AS delayed,
        count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NULL
                           AND NOT COALESCE(k.lease_expires_at > now(), false)
+                          AND k.due_at > now() AND h.attempts = 0
+                          AND h.last_error IS NOT NULL) AS held,
+       count(*) FILTER (WHERE e.seq >= k.next_seq AND k.parked_at IS NULL
+                          AND NOT COALESCE(k.lease_expires_at > now(), false)
                           AND k.due_at <= now()) AS due,
        CAST(EXTRACT(EPOCH FROM min(k.due_at) FILTER (WHERE e.seq >= k.next_seq
                                                        AND k.parked_at IS NULL) - now())
-            AS double precision) AS next_due_seconds
+            AS double precision) AS next_due_seconds,
+       ARRAY(SELECT last_error FROM held_heads
+             GROUP BY last_error ORDER BY count(*) DESC, last_error LIMIT 3) AS held_reasons,
+       (SELECT count(DISTINCT last_error) FROM held_heads) AS held_reason_count
 FROM {events} e
 LEFT JOIN queued k ON k.ordering_key = e.ordering_key
 LEFT JOIN {events} h

@@ -31,7 +31,7 @@ from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
-from outbox_kafka.queries import pg_int_array, pg_text_array, queries_for
+from outbox_kafka.queries import pg_array, pg_int_array, pg_text_array, queries_for
 from outbox_kafka.relay import CycleReport, Relay
 from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
 from outbox_kafka.relay.settings import RelaySettings
@@ -351,8 +351,9 @@ def _explain_claim(engine: sa.Engine, batch_size: int) -> dict[str, Any]:
             )
             leased = cur.fetchall()
             params = {
-                "key_names": pg_text_array([key for key, _ in leased]),
-                "key_next_seqs": pg_int_array([next_seq for _, next_seq in leased]),
+                "key_names": pg_text_array([key for key, _, _ in leased]),
+                "key_next_seqs": pg_int_array([next_seq for _, next_seq, _ in leased]),
+                "key_due_ats": pg_array([due_at for _, _, due_at in leased]),
                 "per_key_limit": max(1, batch_size // max(1, len(leased))),
                 "max_bytes": DEFAULT_MAX_CLAIM_BYTES,
                 "values_as_text": True,
