@@ -30,8 +30,11 @@ test: lint
 
 # The reliability scenarios at full size (the normal suite runs their short versions);
 # prints the table of events enqueued, delivered, lost, duplicated and out of order.
+# Then the model checker of the relay's promises, on fresh random sequences.
 chaos: $(STAMP)
 	OUTBOX_RELIABILITY=long $(BIN)/pytest -q tests/reliability $(PYTEST_ARGS)
+	OUTBOX_MODEL_RANDOM=1 OUTBOX_MODEL_EXAMPLES=$${OUTBOX_MODEL_EXAMPLES:-1500} \
+		$(BIN)/pytest -q tests/model $(PYTEST_ARGS)
 
 soak: $(STAMP)
 	OUTBOX_SOAK_SECONDS=$${OUTBOX_SOAK_SECONDS:-1500} OUTBOX_SOAK_OUTPUT=bench \

@@ -81,6 +81,9 @@ class _Key:
     lease_until: float = 0.0
     parked: bool = False
     events: list[StoredEvent] = field(default_factory=list)
+    #: The key's counter: the last sequence number handed out (kept when retention
+    #: deletes the events; gone, and started again from 1, with the key itself).
+    last_seq: int = 0
 
 
 class InMemoryStore:
@@ -150,7 +153,7 @@ class InMemoryStore:
         arrival does); a key in the queue, or leased, keeps its place.
         """
         state = self._keys.setdefault(key, _Key())
-        seq = state.events[-1].seq + 1 if state.events else 1
+        seq = state.last_seq = state.last_seq + 1
         stored = StoredEvent(
             event_id or str(uuid.uuid4()),
             key,
@@ -213,7 +216,7 @@ class InMemoryStore:
             claimed = ClaimedKey(
                 name,
                 state.next_seq,
-                last_seq=state.events[-1].seq,
+                last_seq=state.last_seq,
                 withheld=brought[name] < len(events),
                 due_at=state.due_at,
             )
@@ -300,7 +303,7 @@ class InMemoryStore:
             state.next_seq = key.next_seq
             state.due_at = now + key.delay if key.due_at is None else key.due_at
             state.parked = key.park
-            if key.drained and not key.park and state.events[-1].seq < key.next_seq:
+            if key.drained and not key.park and state.last_seq < key.next_seq:
                 removed += 1
         return RecordResult(
             keys_owned=len(owned),
@@ -369,7 +372,7 @@ class InMemoryStore:
 
 def _queued(state: _Key) -> bool:
     """Whether the key is in the queue: it has events from its ``next_seq`` on."""
-    return bool(state.events) and state.events[-1].seq >= state.next_seq
+    return any(e.seq >= state.next_seq for e in state.events)
 
 
 def _pending(state: _Key) -> list[StoredEvent]:

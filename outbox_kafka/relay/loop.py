@@ -230,7 +230,15 @@ class Relay:
         if sent.sent:
             self._recording = self._recorder.submit(self._record, claim, sent)
             return done, True
-        report = self._record(claim, sent)
+        try:
+            report = self._record(claim, sent)
+        except StorageError as exc:
+            # Only past the shutdown deadline; nothing of this claim was sent.
+            log.warning(
+                "could not record a batch before shutdown; its keys wait for their lease",
+                extra={"action": "db_error", "error": str(exc)},
+            )
+            return done, False
         done.add(report)
         # Keys just released by the previous record may have more work, and keys
         # producers added may not all have joined the queue yet: go again.

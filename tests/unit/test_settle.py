@@ -445,3 +445,27 @@ def test_kafka_errors_are_classed_by_whose_fault_they_name(
     code: int, reported: bool, verdict: Verdict
 ) -> None:
     assert classify(code, reported=reported) == verdict
+
+
+def test_a_relay_stopped_while_it_cannot_record_a_batch_it_did_not_send_ends_cleanly() -> None:
+    # Found by the model checker: with nothing sent (the topic is missing) the record
+    # runs in the loop itself, and its StorageError at the shutdown deadline escaped.
+    store = _DatabaseDown()
+    kafka = StubPublisher(topic_problems={"t": (Verdict.HELD, "UNKNOWN_TOPIC: no topic 't'")})
+    _enqueue(store, "a", 1)
+    relay = _relay(store, kafka, shutdown_timeout=0.01)
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        try:
+            relay.drain()
+        except BaseException as exc:
+            errors.append(exc)
+
+    draining = threading.Thread(target=drain)
+    draining.start()
+    assert store.attempts.acquire(timeout=10)
+    relay.stop()
+    draining.join(timeout=10)
+    assert not draining.is_alive() and errors == []
+    assert kafka.sends == []
