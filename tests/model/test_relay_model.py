@@ -109,6 +109,9 @@ class Cluster:
     weather: dict[str, str] = field(default_factory=lambda: dict.fromkeys(TOPICS, "ok"))
     #: Whether unreported messages land (decided when they are sent).
     zombies_land: bool = True
+    #: Whether a relay's wait for reports ends early (it is shutting down, or its
+    #: producer failed): behind a failed message, the key's later ones go unreported.
+    reports_cut_short: bool = False
     #: Every message that landed, in order: (event id, key).
     log: list[tuple[str, str]] = field(default_factory=list)
     zombies: list[Zombie] = field(default_factory=list)
@@ -178,7 +181,10 @@ class Broker:
             elif message.key in failed:
                 earlier = failed[message.key]
                 delivery = Delivery(
-                    earlier.verdict, error=earlier.error, sent=True, reported=earlier.reported
+                    earlier.verdict,
+                    error=earlier.error,
+                    sent=True,
+                    reported=earlier.reported and not cluster.reports_cut_short,
                 )
             else:
                 delivery = self._answer(message)
@@ -480,6 +486,10 @@ class RelayModel(RuleBasedStateMachine):
     def unreported_messages_land(self, lands: bool) -> None:
         self.cluster.zombies_land = lands
 
+    @rule(cut_short=st.booleans())
+    def relays_stop_waiting_for_reports_early(self, cut_short: bool) -> None:
+        self.cluster.reports_cut_short = cut_short
+
     @rule(seconds=st.sampled_from([0.5, 3.0, 10.0, 40.0]))
     def time_passes(self, seconds: float) -> None:
         with self.lock:
@@ -555,6 +565,7 @@ class RelayModel(RuleBasedStateMachine):
                 return
             for topic in TOPICS:
                 self.cluster.weather[topic] = "ok"
+            self.cluster.reports_cut_short = False
             for _, database, _ in self.relays:
                 database.flaky_records = 0
             relay = self.relays[0][0]
