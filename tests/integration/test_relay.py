@@ -1101,15 +1101,15 @@ def test_a_batch_is_produced_only_after_the_one_before_it_is_recorded(
 # --------------------------------------------------------------------------- 10. topics, fencing
 
 
-def test_missing_topic_is_a_permanent_failure_unless_topics_are_created(
+def test_missing_topic_holds_its_key_unless_topics_are_created(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:
     existing = new_topic(2)
     missing = f"missing-{uuid.uuid4().hex[:10]}"
     outbox = topic_outbox()
     with engine.begin() as conn:
-        [lost] = outbox.enqueue_many(conn, [Event(type="t.e", key="K", data={}, topic=missing)])
-        fine = outbox.enqueue_many(
+        [held] = outbox.enqueue_many(conn, [Event(type="t.e", key="K", data={}, topic=missing)])
+        behind, fine = outbox.enqueue_many(
             conn,
             [
                 Event(type="t.e", key="K", data={"n": 1}, topic=existing),
@@ -1117,24 +1117,34 @@ def test_missing_topic_is_a_permanent_failure_unless_topics_are_created(
             ],
         )
     report = drain(make_settings(database_url, kafka_bootstrap))
-    assert (report.delivered, report.discarded) == (2, 1)
-    status, error = rows(
-        engine, "SELECT status, last_error FROM outbox WHERE event_id = :id", id=str(lost)
+    assert (report.delivered, report.discarded) == (1, 0)
+    status, attempts, error = rows(
+        engine, "SELECT status, attempts, last_error FROM outbox WHERE event_id = :id", id=str(held)
     )[0]
-    assert status == "discarded"
+    assert (status, attempts) == ("pending", 0)
     assert "--create-topics" in error and missing in error
-    assert {r.event_id for r in consume_all(kafka_bootstrap, existing, 2)} == {str(i) for i in fine}
+    assert [r.event_id for r in consume_all(kafka_bootstrap, existing, 1)] == [str(fine)]
+
+    # With topic creation on, the held key goes on in order once it is due again.
+    relay = Relay(make_settings(database_url, kafka_bootstrap, create_topics=3))
+    try:
+        relay.drain_all(timeout=10)
+    finally:
+        relay.close()
+    assert [r.event_id for r in consume_all(kafka_bootstrap, missing, 1)] == [str(held)]
+    ids = [r.event_id for r in consume_all(kafka_bootstrap, existing, 2)]
+    assert ids == [str(fine), str(behind)]
 
     created = f"created-{uuid.uuid4().hex[:10]}"
     with engine.begin() as conn:
-        [made] = outbox.enqueue_many(conn, [Event(type="t.e", key="K", data={}, topic=created)])
+        [made] = outbox.enqueue_many(conn, [Event(type="t.e", key="M", data={}, topic=created)])
     report = drain(make_settings(database_url, kafka_bootstrap, create_topics=3))
     assert report.delivered == 1
     [record] = consume_all(kafka_bootstrap, created, 1)
     assert record.event_id == str(made)
     meta = AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(created, timeout=10)
     assert len(meta.topics[created].partitions) == 3
-    assert record.partition == kafka_partition(b"K", 3)
+    assert record.partition == kafka_partition(b"M", 3)
 
 
 def test_finish_is_fenced_by_the_claim_token(engine: sa.Engine, database_url: str) -> None:
