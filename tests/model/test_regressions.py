@@ -1,0 +1,70 @@
+"""Sequences the model checker shrank to, kept as regression tests: each one
+failed on the relay as it was before the fix named in its docstring."""
+
+from __future__ import annotations
+
+from tests.model.test_relay_model import RelayModel
+
+
+def _run(steps: list[tuple[str, dict[str, object]]]) -> None:
+    state = RelayModel()
+    try:
+        for name, arguments in steps:
+            getattr(state, name)(**arguments)
+            state.promises_hold()
+    finally:
+        state.teardown()
+
+
+def test_an_innocent_event_in_a_refused_record_batch_is_not_discarded() -> None:
+    """Errors a broker gives a whole record batch were classed permanent for each
+    of its messages: key a's second event was discarded with its poisoned first."""
+    _run(
+        [
+            ("write", {"delay": 0.0, "key": "a", "padding": 0, "poisoned": True, "topic": "t1"}),
+            ("write", {"delay": 0.0, "key": "a", "padding": 0, "poisoned": False, "topic": "t1"}),
+            ("relay_cycles", {"cycles": 1, "index": 0}),
+        ]
+    )
+
+
+def test_a_key_with_a_message_in_the_producer_waits_behind_a_retried_one() -> None:
+    """A key whose retried event had a later one still unreported came due after
+    the short backoff, and was sent while that message could still land."""
+    _run(
+        [
+            ("weather", {"topic": "t1", "weather": "transient"}),
+            ("write", {"delay": 0.0, "key": "c", "padding": 0, "poisoned": False, "topic": "t1"}),
+            ("relays_stop_waiting_for_reports_early", {"cut_short": True}),
+            ("write", {"delay": 0.0, "key": "c", "padding": 0, "poisoned": False, "topic": "t1"}),
+            ("relay_cycles", {"cycles": 1, "index": 0}),
+            ("time_passes", {"seconds": 0.5}),
+            ("relay_drains", {"index": 0}),
+        ]
+    )
+
+
+def test_a_relay_stopped_while_it_cannot_record_ends_cleanly() -> None:
+    """With nothing sent (its topic missing), a record failing at the shutdown
+    deadline raised out of the relay's drain."""
+    _run(
+        [
+            ("weather", {"topic": "t1", "weather": "missing"}),
+            ("write", {"delay": 0.0, "key": "a", "padding": 0, "poisoned": False, "topic": "t1"}),
+            ("relay_stops_while_the_database_is_down", {"index": 1}),
+        ]
+    )
+
+
+def test_retention_does_not_renumber_a_key_with_an_event_left() -> None:
+    """The in-memory store numbered a new event from the last event retention left,
+    one the key had already passed: it was never sent."""
+    _run(
+        [
+            ("write", {"delay": 0.0, "key": "a", "padding": 0, "poisoned": True, "topic": "t1"}),
+            ("write", {"delay": 0.0, "key": "a", "padding": 0, "poisoned": False, "topic": "t1"}),
+            ("relay_drains", {"index": 0}),
+            ("retention_purges_what_is_done", {}),
+            ("write", {"delay": 0.0, "key": "a", "padding": 0, "poisoned": False, "topic": "t1"}),
+        ]
+    )
