@@ -41,7 +41,7 @@ from typing import Any
 import hypothesis.strategies as st
 from confluent_kafka import KafkaError
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tenacity import wait_fixed
 
 from outbox_kafka import Event, Outbox
@@ -340,6 +340,15 @@ class RelayModel(RuleBasedStateMachine):
         self.max_claim_bytes = 2000
         for _ in range(2):
             self.relays.append(self._new_relay())
+
+    @initialize(
+        batch_size=st.sampled_from([2, 4]), max_claim_bytes=st.sampled_from([2000, 1 << 25])
+    )
+    def configure(self, batch_size: int, max_claim_bytes: int) -> None:
+        """Relays with this batch size and byte budget (a small batch leaves keys for
+        the claim read ahead while a batch is sent)."""
+        self.batch_size, self.max_claim_bytes = batch_size, max_claim_bytes
+        self.relays = [self._new_relay() for _ in range(2)]
 
     def _new_relay(self) -> tuple[Relay, Database, Broker]:
         database = Database(self.store, self)
