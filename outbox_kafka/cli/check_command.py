@@ -22,8 +22,9 @@ from .relay_command import add_relay_parser, outbox_targets, relay_settings
 _CHECK_HELP = (
     "Check what a relay with these settings needs: the settings themselves (the same "
     "validation as relay; every relay flag and variable is accepted), the schemas, the "
-    "database, the migrations and the Kafka brokers. One OK/FAIL line each; exit 0 only if "
-    "all pass, 1 otherwise. With --consistency: the database, the migrations and the "
+    "database, the migrations, the Kafka brokers and the topics pending events wait for (a "
+    "missing one holds their keys). One OK/FAIL line each; exit 0 only if all pass, 1 "
+    "otherwise. With --consistency: the database, the migrations and the "
     "outbox's invariants (every pending event reachable by the key queue, counters ahead of "
     "every sequence number, queue rows and leases whole, discards with a reason), with each "
     "violation listed."
@@ -58,9 +59,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     results.append(operations.check_schemas(args.schema_dir))
 
     timeout: float = args.check_timeout
+    pending: list[operations.PendingTopics] = []
     if targets is not None:
         for target in targets:
-            results.extend(_check_outbox_database(target, timeout))
+            results.extend(_check_outbox_database(target, timeout, pending))
     elif args.outboxes_file:
         results.append(check("database", False, "not checked: fix the outboxes file first"))
     elif not args.database_url:
@@ -73,7 +75,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             results.append(check("database", False, str(exc)))
             results.append(check("migrations", False, "not checked: fix the settings first"))
         else:
-            results.extend(_check_database(args.database_url, names, timeout))
+            results.extend(_check_database(args.database_url, names, timeout, pending))
 
     if settings is None:
         results.append(check("kafka", False, "not checked: fix the settings first"))
@@ -86,6 +88,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 topics=topics,
                 create_topics=settings.create_topics is not None,
                 message_max_bytes=int(settings.producer_config()["message.max.bytes"]),
+                pending=pending,
             )
         )
     ok = all(r.ok for r in results)
@@ -102,8 +105,15 @@ def _tables(settings: RelaySettings, targets: list[OutboxTarget] | None) -> str:
     return f"{len(targets)} outboxes ({listed})"
 
 
-def _check_database(url: str, names: TableNames, timeout: float) -> list[operations.CheckResult]:
-    """The database and migration checks of the outbox ``names`` at ``url``."""
+def _check_database(
+    url: str,
+    names: TableNames,
+    timeout: float,
+    pending: list[operations.PendingTopics],
+    outbox: str | None = None,
+) -> list[operations.CheckResult]:
+    """The database and migration checks of the outbox ``names`` at ``url``; the topics
+    its pending events wait for are added to ``pending`` (checked with Kafka's)."""
     register_secrets(url_secrets(url))
     try:
         engine = short_command_engine(url, connect_timeout=timeout)
@@ -113,14 +123,22 @@ def _check_database(url: str, names: TableNames, timeout: float) -> list[operati
             operations.CheckResult("migrations", False, "not checked: fix the settings first"),
         ]
     try:
-        return list(operations.check_database(engine, names, shown_url=redact_url(url)))
+        results = list(operations.check_database(engine, names, shown_url=redact_url(url)))
+        if all(r.ok for r in results):
+            try:
+                pending.append(operations.pending_topics(engine, names, outbox=outbox))
+            except OutboxError as exc:
+                results.append(operations.CheckResult("pending topics", False, str(exc)))
+        return results
     finally:
         engine.dispose()
 
 
-def _check_outbox_database(target: OutboxTarget, timeout: float) -> list[operations.CheckResult]:
+def _check_outbox_database(
+    target: OutboxTarget, timeout: float, pending: list[operations.PendingTopics]
+) -> list[operations.CheckResult]:
     """The database and migration checks of one outbox of ``--outboxes-file``, named for it."""
-    found = _check_database(target.database_url, target.names, timeout)
+    found = _check_database(target.database_url, target.names, timeout, pending, target.name)
     return [dataclasses.replace(r, name=f"{r.name} [{target.name}]") for r in found]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -23,10 +24,12 @@ from outbox_kafka.relay.settings import (
 from .options import add_database_option, add_flag, add_option, add_table_options
 
 if TYPE_CHECKING:
+    from outbox_kafka.naming import TableNames
     from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.http_server import ObservabilityServer
     from outbox_kafka.relay.loop import Relay
     from outbox_kafka.relay.outboxes import OutboxTarget
+    from outbox_kafka.relay.reports import DrainResult
 
 #: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
 DEFAULT_METRICS_PORT = 9400
@@ -153,13 +156,18 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         relay.close()
         raise
     try:
-        return _run_relay(args, relay)
+        return _run_relay(args, relay, settings, targets)
     finally:
         if server is not None:
             server.close()
 
 
-def _run_relay(args: argparse.Namespace, relay: Relay | RelayGroup) -> int:
+def _run_relay(
+    args: argparse.Namespace,
+    relay: Relay | RelayGroup,
+    settings: RelaySettings,
+    targets: list[OutboxTarget] | None,
+) -> int:
     signals_seen = 0
 
     def on_signal(signum: int, frame: object) -> None:
@@ -178,11 +186,36 @@ def _run_relay(args: argparse.Namespace, relay: Relay | RelayGroup) -> int:
         finally:
             relay.close()
         results = drained if isinstance(drained, dict) else {"": drained}
+        outboxes = {t.name: (t.database_url, t.names) for t in targets or []}
+        complete = True
         for name, result in results.items():
-            print(f"outbox {name}: {result.summary()}" if name else result.summary())
-        return 0 if all(r.complete for r in results.values()) else EXIT_WORK_LEFT
+            url, names = outboxes.get(name, (settings.database_url, settings.names))
+            named = _held_named(result, url, names)
+            complete = complete and named.complete
+            print(f"outbox {name}: {named.summary()}" if name else named.summary())
+        return 0 if complete else EXIT_WORK_LEFT
     relay.run()
     return 0
+
+
+def _held_named(result: DrainResult, url: str, names: TableNames) -> DrainResult:
+    """``result`` with what is left read again if some of it may be held (waiting with
+    no attempt counted), so that the summary names the held events and why."""
+    from outbox_kafka.database import short_command_engine
+    from outbox_kafka.operations import remaining_work
+
+    left = result.left
+    if left is None or left.delayed == 0 or left.held:
+        return result
+    try:
+        engine = short_command_engine(url)
+        try:
+            again = remaining_work(engine, names)
+        finally:
+            engine.dispose()
+    except OutboxError:
+        return result  # the summary says what the drain read
+    return dataclasses.replace(result, left=again)
 
 
 def add_relay_parser(
@@ -331,8 +364,9 @@ def add_relay_parser(
         p,
         "--drain",
         help="publish everything, waiting for what comes due within --drain-timeout "
-        f"(other relays' leases, retries, delays); exit 0 when nothing is left pending, "
-        f"{EXIT_WORK_LEFT} when something is (the summary says what and why)",
+        "(other relays' leases, retries, delays, keys held for a missing topic or a "
+        f"missing grant); exit 0 when nothing is left pending, {EXIT_WORK_LEFT} when "
+        "something is (the summary says what and why, held events with their reason)",
     )
     add_option(
         p,

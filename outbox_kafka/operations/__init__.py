@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from outbox_kafka.database import short_command_engine
 
-from .checks import CheckResult, check_database, check_kafka, check_schemas
+from .checks import (
+    CheckResult,
+    PendingTopics,
+    check_database,
+    check_kafka,
+    check_schemas,
+    pending_topics,
+)
 from .consistency import CONSISTENCY_CHECKS, ConsistencyReport, Violation, check_consistency
 from .events import DiscardedEvent, ParkedKey
 from .purge import (
@@ -22,7 +29,7 @@ from .purge import (
 )
 from .requeue import RequeueResult, UnparkResult, requeue, requeue_events, unpark, unpark_keys
 from .selection import Selection
-from .stats import OutboxStats, TopicCounts, outbox_stats
+from .stats import OutboxStats, TopicCounts, outbox_stats, remaining_work
 
 __all__ = [
     "CONSISTENCY_CHECKS",
@@ -34,6 +41,7 @@ __all__ = [
     "DiscardedEvent",
     "OutboxStats",
     "ParkedKey",
+    "PendingTopics",
     "PurgeResult",
     "RequeueResult",
     "Selection",
@@ -45,7 +53,9 @@ __all__ = [
     "check_kafka",
     "check_schemas",
     "outbox_stats",
+    "pending_topics",
     "purge",
+    "remaining_work",
     "requeue",
     "requeue_events",
     "short_command_engine",

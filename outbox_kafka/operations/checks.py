@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import OutboxError
 from outbox_kafka.migrations import applied_versions
 from outbox_kafka.naming import TableNames
@@ -88,6 +89,54 @@ def _events_table_exists(conn: Connection, names: TableNames) -> bool:
     return bool(found)
 
 
+#: Pending events whose topics ``check`` reads at most, per outbox: the cost of
+#: ``pending_topics`` is bounded by this, whatever the backlog.
+PENDING_EVENTS_READ = 100_000
+#: Topics of pending events ``check`` names at most, per outbox (most events first).
+PENDING_TOPICS_SHOWN = 50
+
+
+@dataclass(frozen=True)
+class PendingTopics:
+    """The topics an outbox's pending events wait for, as ``pending_topics`` read them."""
+
+    #: Events per topic, most first; lower bounds unless ``complete``.
+    counts: dict[str, int]
+    #: Pending events read.
+    read: int
+    #: Every pending event was read: the counts are exact.
+    complete: bool
+    #: The outbox's name in ``--outboxes-file``; None for the single outbox.
+    outbox: str | None = None
+    #: Other topics may have fewer events: only the first few are named.
+    more_topics: bool = False
+
+
+def pending_topics(
+    engine: Engine,
+    names: TableNames,
+    *,
+    outbox: str | None = None,
+    scan_limit: int = PENDING_EVENTS_READ,
+    topic_limit: int = PENDING_TOPICS_SHOWN,
+) -> PendingTopics:
+    """The topics of at most ``scan_limit`` pending events (by key), with their counts."""
+    with storage_errors("reading the topics of pending events"), engine.connect() as conn:
+        rows = conn.execute(
+            queries_for(names)["pending_topics"],
+            {"scan_limit": scan_limit, "topic_limit": topic_limit},
+        ).all()
+        conn.rollback()
+    read = int(rows[0].scanned) if rows else 0
+    return PendingTopics(
+        counts={str(r.topic): int(r.events) for r in rows},
+        read=read,
+        complete=read < scan_limit,
+        outbox=outbox,
+        more_topics=len(rows) >= topic_limit,
+    )
+
+
 def check_schemas(schema_dir: str | Path | None) -> CheckResult:
     """The shipped envelope schema and, if given, every payload schema of ``schema_dir``."""
     from outbox_kafka.validation import EventSchemas, envelope_schema, shipped_schema_dir
@@ -110,9 +159,12 @@ def check_kafka(
     topics: Sequence[str] = (),
     create_topics: bool = False,
     message_max_bytes: int | None = None,
+    pending: Sequence[PendingTopics] = (),
 ) -> list[CheckResult]:
-    """Broker metadata within ``timeout`` seconds; then whether ``topics`` exist, and
-    (with ``message_max_bytes``, the relay's) whether broker and topics take as much.
+    """Broker metadata within ``timeout`` seconds; then whether ``topics`` exist,
+    whether the topics ``pending`` events wait for exist (the relay holds their keys
+    until they do), and (with ``message_max_bytes``, the relay's) whether broker
+    and topics take as much.
 
     ``config`` holds the connection settings (security included); librdkafka's
     own log lines are kept out of the command's output.
@@ -159,8 +211,66 @@ def check_kafka(
                     "does not exist and topic creation is off (create it, or --create-topics N)",
                 )
             )
+    shown = {r.name for r in results}
+    for found in pending:
+        for result in _check_pending_topics(metadata, found, create_topics):
+            if result.name not in shown:
+                shown.add(result.name)
+                results.append(result)
     if message_max_bytes is not None:
         results.append(_check_message_limits(admin, metadata, message_max_bytes, timeout))
+    return results
+
+
+def _check_pending_topics(
+    metadata: Any, pending: PendingTopics, create_topics: bool
+) -> list[CheckResult]:
+    """A line per topic that pending events wait for, as the relay will find it."""
+    from confluent_kafka import KafkaError
+
+    where = f" [{pending.outbox}]" if pending.outbox else ""
+    results: list[CheckResult] = []
+    limits = []
+    if not pending.complete:
+        limits.append(
+            f"{pending.read} or more events pending: the topics of the first {pending.read} "
+            "(by key) are checked, their counts are lower bounds"
+        )
+    if pending.more_topics:
+        limits.append(f"the {len(pending.counts)} topics with the most events are checked")
+    if limits:
+        results.append(CheckResult(f"pending topics{where}", True, "; ".join(limits)))
+    for topic, count in sorted(pending.counts.items()):
+        events = f"{'' if pending.complete else 'at least '}{count} pending event" + (
+            "s" if count != 1 else ""
+        )
+        wait = f"{events} wait{'s' if count == 1 else ''} for it"
+        meta = metadata.topics.get(topic)
+        error = None if meta is None else meta.error
+        name = f"topic {topic}{where}"
+        if meta is not None and error is None:
+            results.append(CheckResult(name, True, f"exists; {events}"))
+        elif error is not None and error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+            # Listed, but these credentials may not see or write it.
+            results.append(
+                CheckResult(
+                    name,
+                    False,
+                    f"{error.name()}: {error.str()}; {wait} (grant the relay's credentials "
+                    "Describe and Write on it)",
+                )
+            )
+        elif create_topics:
+            results.append(CheckResult(name, True, f"missing; the relay creates it ({events})"))
+        else:
+            results.append(
+                CheckResult(
+                    name,
+                    False,
+                    f"missing; {wait} (create it, or let the relay create it: "
+                    "--create-topics <partitions>)",
+                )
+            )
     return results
 
 

@@ -10,6 +10,7 @@ from sqlalchemy import Engine
 from outbox_kafka.database import storage_errors
 from outbox_kafka.naming import TableNames
 from outbox_kafka.queries import queries_for
+from outbox_kafka.relay.reports import Remaining
 
 from .events import DiscardedEvent, ParkedKey
 
@@ -124,3 +125,12 @@ def outbox_stats(
         recent_discards=discards,
         delivered_counted=count_delivered,
     )
+
+
+def remaining_work(engine: Engine, names: TableNames | None = None) -> Remaining:
+    """What is left pending and why, held events and their reasons named (one
+    statement; reads every pending event)."""
+    with storage_errors("reading the remaining work"), engine.connect() as conn:
+        row = conn.execute(queries_for(names or TableNames())["remaining_work"]).one()
+        conn.rollback()
+    return Remaining.from_row(row)

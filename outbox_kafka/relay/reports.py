@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+#: The most reasons of held events :class:`Remaining` names.
+HELD_REASONS_SHOWN = 3
 
 
 @dataclass(frozen=True)
 class Remaining:
-    """Pending events, by why they are not being sent right now."""
+    """Pending events, by why they are not being sent right now.
+
+    ``held`` is a part of ``delayed``: a reader that does not tell held events
+    apart still counts every pending event once.
+    """
 
     pending: int
     #: On keys a relay holds a lease on.
@@ -24,6 +33,49 @@ class Remaining:
     unreachable: int
     #: Seconds until the first key that is not parked comes due; None: none will.
     next_due_seconds: float | None
+    #: Of ``delayed``: on keys held until an operator acts (their next event's
+    #: topic is missing, or access to it is not granted): that event has no
+    #: attempt counted and its reason in ``last_error``. Looked at again every
+    #: few seconds, never discarded.
+    held: int = 0
+    #: How many different reasons hold keys (``held_reasons`` names the first few).
+    held_reason_count: int = 0
+    #: The held events' reasons, the one holding the most keys first (at most
+    #: :data:`HELD_REASONS_SHOWN`); set with :meth:`with_held_reasons` (not a
+    #: constructor argument: a store may build this from a dict of counts).
+    held_reasons: tuple[str, ...] = field(default=(), init=False)
+
+    @classmethod
+    def from_row(cls, row: Any) -> Remaining:
+        """From the row of the ``remaining_work`` statement."""
+        return cls(
+            pending=int(row.pending),
+            leased=int(row.leased),
+            parked=int(row.parked),
+            retrying=int(row.retrying),
+            delayed=int(row.delayed),
+            due=int(row.due),
+            unreachable=int(row.unreachable),
+            next_due_seconds=None if row.next_due_seconds is None else float(row.next_due_seconds),
+            held=int(row.held),
+            held_reason_count=int(row.held_reason_count),
+        ).with_held_reasons(row.held_reasons or ())
+
+    def with_held_reasons(self, reasons: Iterable[str]) -> Remaining:
+        """A copy naming these reasons of the held events (the most common first)."""
+        copy = replace(self)
+        object.__setattr__(copy, "held_reasons", tuple(reasons)[:HELD_REASONS_SHOWN])
+        return copy
+
+    def held_summary(self) -> str:
+        """The held events and why, for people: ``"9 held: UNKNOWN_TOPIC: …"``."""
+        if not self.held:
+            return ""
+        shown = " | ".join(self.held_reasons)
+        others = self.held_reason_count - len(self.held_reasons)
+        if others > 0:
+            shown += f" | and {others} other reason{'s' if others != 1 else ''}"
+        return f"{self.held} held: {shown}" if shown else f"{self.held} held"
 
 
 @dataclass
@@ -34,6 +86,7 @@ class CycleReport:
     keys_removed: int = 0
     sent: int = 0
     delivered: int = 0
+    #: Events left pending after their send: to be retried, or held for an operator.
     retried: int = 0
     discarded: int = 0
     leases_lost: int = 0
@@ -73,7 +126,7 @@ class DrainResult:
         r, left = self.report, self.left
         line = (
             f"drained: {r.delivered} delivered, {r.discarded} discarded, "
-            f"{r.retried} retried, {r.leases_lost} leases lost"
+            f"{r.retried} retried or held, {r.leases_lost} leases lost"
         )
         if left is None:
             return f"{line}; could not read what is left pending: {self.error}"
@@ -83,11 +136,14 @@ class DrainResult:
             (left.leased, "on keys another relay still holds a lease on"),
             (left.parked, "on parked keys (outbox-kafka requeue or unpark)"),
             (left.retrying, "waiting for a retry"),
-            (left.delayed, "delayed (available_at)"),
+            (left.delayed - left.held, "delayed (available_at)"),
             (left.due, "due now (written during the drain)"),
             (left.unreachable, "unreachable by the key queue (outbox-kafka check --consistency)"),
         ]
-        why = ", ".join(f"{n} {what}" for n, what in reasons if n)
+        why = ", ".join(
+            ([left.held_summary()] if left.held else [])
+            + [f"{n} {what}" for n, what in reasons if n]
+        )
         when = (
             ""
             if left.next_due_seconds is None

@@ -19,13 +19,17 @@ from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import (
     Selection,
     outbox_stats,
+    pending_topics,
     purge,
+    remaining_work,
     requeue,
     requeue_events,
     unpark,
     unpark_keys,
 )
+from outbox_kafka.queries import queries_for
 from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
+from outbox_kafka.relay.reports import CycleReport, DrainResult
 from outbox_kafka.relay.store import Store
 from tests.operator_support import (
     build_mix,
@@ -426,3 +430,70 @@ def test_purge_removes_old_delivered_and_discarded_events_only(engine: sa.Engine
     )
     with pytest.raises(ConfigurationError, match="must not be negative"):
         purge(engine, retain_delivered_seconds=-1)
+
+
+# --------------------------------------------------------------------------- check, drain
+
+
+def test_pending_topics_reads_at_most_its_bound_through_the_claim_index(
+    engine: sa.Engine,
+) -> None:
+    outbox = topic_outbox()
+    enqueue_bulk(
+        engine,
+        outbox,
+        [Event(type="t", key=f"k{i % 40}", topic=f"t{i % 3}", data={"i": i}) for i in range(3000)],
+    )
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE outbox")
+    whole = pending_topics(engine, TableNames())
+    assert whole.complete and whole.read == 3000 and not whole.more_topics
+    assert whole.counts == {"t0": 1000, "t1": 1000, "t2": 1000}
+
+    part = pending_topics(engine, TableNames(), scan_limit=100, topic_limit=2)
+    assert (part.read, part.complete, part.more_topics) == (100, False, True)
+    assert len(part.counts) == 2 and sum(part.counts.values()) <= 100
+
+    with engine.connect() as conn:
+        plan = conn.execute(
+            sa.text(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + queries_for(TableNames()).sql["pending_topics"]
+            ),
+            {"scan_limit": 100, "topic_limit": 50},
+        ).scalar_one()[0]["Plan"]
+    stack = [plan]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.get("Plans", []))
+        if node.get("Relation Name") == "outbox":
+            assert node.get("Index Name") == "outbox_claim_idx", node
+            assert node["Actual Rows"] * node["Actual Loops"] <= 100, node
+
+
+def test_remaining_work_names_held_events_apart_from_delayed_ones(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    missing = f"missing-{uuid.uuid4().hex[:12]}"
+    outbox = topic_outbox()
+    enqueue_bulk(engine, outbox, [Event(type="t", key=k, topic=missing, data={}) for k in "aab"])
+    drain(database_url, kafka_bootstrap, backoff_cap=30.0)
+
+    left = remaining_work(engine)
+    assert (left.pending, left.held, left.delayed, left.retrying) == (3, 3, 3, 0)
+    assert left.held_reason_count == 1
+    [reason] = left.held_reasons
+    assert reason.startswith(f"UNKNOWN_TOPIC: topic '{missing}' does not exist")
+    summary = DrainResult(CycleReport(), left).summary()
+    assert f"left pending: 3 (3 held: {reason})" in summary
+    assert "delayed" not in summary
+
+    # A key waiting for an event's available_at is delayed, not held.
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE outbox_keys SET due_at = now() + interval '1 hour' WHERE ordering_key = 'b'"
+        )
+        conn.exec_driver_sql("UPDATE outbox SET last_error = NULL WHERE ordering_key = 'b'")
+    left = remaining_work(engine)
+    assert (left.pending, left.held, left.delayed) == (3, 2, 3)
+    assert "2 held: UNKNOWN_TOPIC" in DrainResult(CycleReport(), left).summary()
+    assert "1 delayed (available_at)" in DrainResult(CycleReport(), left).summary()
