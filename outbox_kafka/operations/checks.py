@@ -194,7 +194,7 @@ def check_kafka(
             "kafka",
             True,
             f"{servers}: {brokers} broker{'s' if brokers != 1 else ''}, "
-            f"{len(metadata.topics)} topics",
+            f"{len(metadata.topics)} topic{'s' if len(metadata.topics) != 1 else ''}",
         )
     ]
     for topic in topics:

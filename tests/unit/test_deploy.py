@@ -623,6 +623,7 @@ def test_every_metric_the_dashboard_queries_is_exported_by_the_relay() -> None:
         (r"histogram_quantile\(.*outbox_commit_to_ack_seconds_bucket", "latency"),
         (r"\boutbox_events_retried_total\b", "retries"),
         (r"\boutbox_events_discarded_total\b", "discards"),
+        (r"\boutbox_events_held_total\b", "held sends"),
         (r"\boutbox_database_errors_total\b", "database errors"),
         (r"\boutbox_leases_lost_total\b", "leases lost"),
         (r"\boutbox_parked_keys\b", "parked keys"),
