@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,7 @@ from outbox_kafka.relay.batches import (
     RecordResult,
 )
 from outbox_kafka.relay.boundaries import Delivery, Message
-from outbox_kafka.relay.reports import Remaining
+from outbox_kafka.relay.reports import HELD_REASONS_SHOWN, Remaining
 from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
 from outbox_kafka.relay.wakeups import Wakeups
 from outbox_kafka.stored_headers import headers_size
@@ -318,28 +319,41 @@ class InMemoryStore:
         now = self._clock()
         counts = {"leased": 0, "parked": 0, "retrying": 0, "delayed": 0, "due": 0}
         next_due: float | None = None
+        held = 0
+        reasons: Counter[str] = Counter()
         for state in self._keys.values():
-            pending = [
-                e
-                for e in state.events
-                if e.status == EventStatus.PENDING and e.seq >= state.next_seq
-            ]
+            pending = _pending(state)
             if not pending:
                 continue
+            head = pending[0]
             if state.parked:
                 why = "parked"
             elif state.token is not None and state.lease_until > now:
                 why = "leased"
-            elif max(state.due_at, pending[0].available_at) > now:
-                why = "retrying" if pending[0].attempts else "delayed"
+            elif max(state.due_at, head.available_at) > now:
+                why = "retrying" if head.attempts else "delayed"
+                if not head.attempts and head.error is not None:
+                    # Held for an operator: no attempt counted, its reason kept.
+                    held += len(pending)
+                    reasons[head.error] += 1
             else:
                 why = "due"
             counts[why] += len(pending)
             if not state.parked:
-                due = max(state.due_at, pending[0].available_at, state.lease_until) - now
+                due = max(state.due_at, head.available_at, state.lease_until) - now
                 next_due = due if next_due is None else min(next_due, due)
         return Remaining(
-            pending=sum(counts.values()), unreachable=0, next_due_seconds=next_due, **counts
+            pending=sum(counts.values()),
+            leased=counts["leased"],
+            parked=counts["parked"],
+            retrying=counts["retrying"],
+            delayed=counts["delayed"],
+            due=counts["due"],
+            unreachable=0,
+            next_due_seconds=next_due,
+            held=held,
+            held_reason_count=len(reasons),
+            held_reasons=tuple(r for r, _ in reasons.most_common(HELD_REASONS_SHOWN)),
         )
 
     def purge(self, *, delivered_seconds: float, discarded_seconds: float, batch: int) -> int:

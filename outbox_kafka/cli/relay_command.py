@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -24,12 +23,10 @@ from outbox_kafka.relay.settings import (
 from .options import add_database_option, add_flag, add_option, add_table_options
 
 if TYPE_CHECKING:
-    from outbox_kafka.naming import TableNames
     from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.http_server import ObservabilityServer
     from outbox_kafka.relay.loop import Relay
     from outbox_kafka.relay.outboxes import OutboxTarget
-    from outbox_kafka.relay.reports import DrainResult
 
 #: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
 DEFAULT_METRICS_PORT = 9400
@@ -186,36 +183,13 @@ def _run_relay(
         finally:
             relay.close()
         results = drained if isinstance(drained, dict) else {"": drained}
-        outboxes = {t.name: (t.database_url, t.names) for t in targets or []}
         complete = True
         for name, result in results.items():
-            url, names = outboxes.get(name, (settings.database_url, settings.names))
-            named = _held_named(result, url, names)
-            complete = complete and named.complete
-            print(f"outbox {name}: {named.summary()}" if name else named.summary())
+            complete = complete and result.complete
+            print(f"outbox {name}: {result.summary()}" if name else result.summary())
         return 0 if complete else EXIT_WORK_LEFT
     relay.run()
     return 0
-
-
-def _held_named(result: DrainResult, url: str, names: TableNames) -> DrainResult:
-    """``result`` with what is left read again if some of it may be held (waiting with
-    no attempt counted), so that the summary names the held events and why."""
-    from outbox_kafka.database import short_command_engine
-    from outbox_kafka.operations import remaining_work
-
-    left = result.left
-    if left is None or left.delayed == 0 or left.held:
-        return result
-    try:
-        engine = short_command_engine(url)
-        try:
-            again = remaining_work(engine, names)
-        finally:
-            engine.dispose()
-    except OutboxError:
-        return result  # the summary says what the drain read
-    return dataclasses.replace(result, left=again)
 
 
 def add_relay_parser(

@@ -208,7 +208,8 @@ def check_kafka(
                 CheckResult(
                     f"topic {topic}",
                     False,
-                    "does not exist and topic creation is off (create it, or --create-topics N)",
+                    "does not exist and topic creation is off "
+                    "(create it, or --create-topics <partitions>)",
                 )
             )
     shown = {r.name for r in results}

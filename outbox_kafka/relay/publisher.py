@@ -214,7 +214,7 @@ class Publisher:
         return (
             Verdict.HELD,
             f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
-            "(create it, or run the relay with --create-topics N; its events wait)",
+            "(create it, or run the relay with --create-topics <partitions>; its events wait)",
         )
 
     def _create(self, topic: str) -> Problem | None:

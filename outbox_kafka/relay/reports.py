@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 #: The most reasons of held events :class:`Remaining` names.
@@ -41,9 +40,8 @@ class Remaining:
     #: How many different reasons hold keys (``held_reasons`` names the first few).
     held_reason_count: int = 0
     #: The held events' reasons, the one holding the most keys first (at most
-    #: :data:`HELD_REASONS_SHOWN`); set with :meth:`with_held_reasons` (not a
-    #: constructor argument: a store may build this from a dict of counts).
-    held_reasons: tuple[str, ...] = field(default=(), init=False)
+    #: :data:`HELD_REASONS_SHOWN`).
+    held_reasons: tuple[str, ...] = ()
 
     @classmethod
     def from_row(cls, row: Any) -> Remaining:
@@ -59,13 +57,8 @@ class Remaining:
             next_due_seconds=None if row.next_due_seconds is None else float(row.next_due_seconds),
             held=int(row.held),
             held_reason_count=int(row.held_reason_count),
-        ).with_held_reasons(row.held_reasons or ())
-
-    def with_held_reasons(self, reasons: Iterable[str]) -> Remaining:
-        """A copy naming these reasons of the held events (the most common first)."""
-        copy = replace(self)
-        object.__setattr__(copy, "held_reasons", tuple(reasons)[:HELD_REASONS_SHOWN])
-        return copy
+            held_reasons=tuple(row.held_reasons or ())[:HELD_REASONS_SHOWN],
+        )
 
     def held_summary(self) -> str:
         """The held events and why, for people: ``"9 held: UNKNOWN_TOPIC: …"``."""

@@ -34,6 +34,9 @@ from outbox_kafka.relay.verdicts import Problem, Verdict
 
 log = logging.getLogger("outbox_kafka.relay")
 
+#: Holds of one topic for one reason are logged at most this often (all are counted).
+HOLD_LOG_SECONDS = 60.0
+
 
 @dataclass
 class SentBatch:
@@ -65,6 +68,8 @@ class BatchSender:
         self._send_timeout = delivery_timeout + 5.0
         self._abort = abort
         self._tracing = tracing or SendTracing()
+        #: By (topic, reason label): when a hold was last logged, and holds since.
+        self._holds_logged: dict[tuple[str, str], tuple[float | None, int]] = {}
 
     def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
         """Send the claimed events; decide every key's and event's next state."""
@@ -192,11 +197,20 @@ class BatchSender:
                 self._discarded(decision)
 
     def _held(self, hold: Hold) -> None:
+        """Count a hold; log it once a minute per topic and reason, with how many
+        holds since: every held key is looked at again every few seconds."""
         event = hold.event
-        self.metrics.held.labels(topic=event.topic, reason=error_label(hold.error)).inc()
+        label = error_label(hold.error)
+        self.metrics.held.labels(topic=event.topic, reason=label).inc()
+        now = time.monotonic()
+        logged_at, since = self._holds_logged.get((event.topic, label), (None, 0))
+        if logged_at is not None and now - logged_at < HOLD_LOG_SECONDS:
+            self._holds_logged[(event.topic, label)] = (logged_at, since + 1)
+            return
+        self._holds_logged[(event.topic, label)] = (now, 0)
         log.error(
             "event held until an operator fixes its topic; its key waits",
-            extra=event_fields(event, "hold", event.attempts, hold.error),
+            extra=event_fields(event, "hold", event.attempts, hold.error, held_since_last=since),
         )
 
     def _discarded(self, discard: Discard) -> None:

@@ -290,16 +290,7 @@ class Store:
         with storage_errors("reading the remaining work"), self._engine.connect() as conn:
             row = conn.execute(self._q["remaining_work"]).one()
             conn.rollback()
-        return Remaining(
-            pending=int(row.pending),
-            leased=int(row.leased),
-            parked=int(row.parked),
-            retrying=int(row.retrying),
-            delayed=int(row.delayed),
-            due=int(row.due),
-            unreachable=int(row.unreachable),
-            next_due_seconds=None if row.next_due_seconds is None else float(row.next_due_seconds),
-        )
+        return Remaining.from_row(row)
 
     # LISTEN/NOTIFY: a dedicated autocommit connection, outside the pool.
 

@@ -6,7 +6,7 @@ from outbox_kafka.relay.reports import CycleReport, DrainResult, Remaining
 
 REASON = (
     "UNKNOWN_TOPIC: topic 'orders' does not exist and topic creation is off "
-    "(create it, or run the relay with --create-topics N; its events wait)"
+    "(create it, or run the relay with --create-topics <partitions>; its events wait)"
 )
 
 
@@ -29,7 +29,8 @@ def test_held_events_are_named_with_their_reason_not_as_delayed() -> None:
         next_due_seconds=2.0,
         held=9,
         held_reason_count=1,
-    ).with_held_reasons([REASON])
+        held_reasons=(REASON,),
+    )
     summary = DrainResult(CycleReport(retried=3), left).summary()
     assert summary == (
         "drained: 0 delivered, 0 discarded, 3 retried or held, 0 leases lost; "
@@ -51,8 +52,8 @@ def test_held_is_a_part_of_delayed_and_a_few_reasons_are_named() -> None:
         next_due_seconds=1.0,
         held=7,
         held_reason_count=5,
-    ).with_held_reasons(reasons)
-    assert left.held_reasons == ("R0", "R1", "R2")
+        held_reasons=tuple(reasons[:3]),
+    )
     summary = DrainResult(CycleReport(), left).summary()
     assert (
         "left pending: 12 (7 held: R0 | R1 | R2 | and 2 other reasons, "

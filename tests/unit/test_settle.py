@@ -469,3 +469,30 @@ def test_a_relay_stopped_while_it_cannot_record_a_batch_it_did_not_send_ends_cle
     draining.join(timeout=10)
     assert not draining.is_alive() and errors == []
     assert kafka.sends == []
+
+
+def test_drain_all_on_the_fakes_names_held_events_and_their_reason() -> None:
+    store = InMemoryStore()
+    missing = (Verdict.HELD, "UNKNOWN_TOPIC: topic 't' does not exist")
+    _enqueue(store, "a", 2)
+    _enqueue(store, "b", 1)
+    result = _relay(store, StubPublisher(topic_problems={"t": missing})).drain_all(timeout=0.1)
+    assert result.left is not None and not result.complete
+    assert (result.left.held, result.left.held_reasons) == (3, (missing[1],))
+    assert f"3 held: {missing[1]}" in result.summary()
+
+
+def test_holds_are_counted_each_time_and_logged_once_a_minute_per_topic(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = InMemoryStore()
+    kafka = StubPublisher(topic_problems={"t": (Verdict.HELD, "UNKNOWN_TOPIC: no topic 't'")})
+    for key in "abcde":
+        _enqueue(store, key, 1)
+    relay = _relay(store, kafka)
+    with caplog.at_level("ERROR", logger="outbox_kafka.relay"):
+        relay.drain()
+    holds = [r for r in caplog.records if getattr(r, "action", None) == "hold"]
+    assert len(holds) == 1 and getattr(holds[0], "held_since_last") == 0  # noqa: B009
+    counted = relay.metrics.held.labels(topic="t", reason="UNKNOWN_TOPIC")._value.get()
+    assert counted == 5
