@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +177,44 @@ class InMemoryStore:
 
     def parked_keys(self) -> list[str]:
         return sorted(k for k, s in self._keys.items() if s.parked)
+
+    # What operators do ---------------------------------------------------------------
+
+    def requeue(self, event_ids: Iterable[str]) -> int:
+        """Put discarded events back to pending, as ``outbox-kafka requeue`` does:
+        attempts 0, due now; each key from its earliest requeued event, unparked. A
+        key a relay holds is taken back (that relay's record of it is ignored), and
+        is not claimed before its lease ends. Returns how many were requeued."""
+        now = self._clock()
+        wanted = set(event_ids)
+        firsts: dict[str, int] = {}
+        requeued = 0
+        for name, state in self._keys.items():
+            for event in state.events:
+                if event.event_id in wanted and event.status == EventStatus.DISCARDED:
+                    event.status, event.attempts = EventStatus.PENDING, 0
+                    event.available_at, event.finished_at = now, None
+                    firsts[name] = min(firsts.get(name, event.seq), event.seq)
+                    requeued += 1
+        for name, first in firsts.items():
+            state = self._keys[name]
+            state.next_seq = min(state.next_seq, first)
+            state.parked = False
+            if state.token is None:
+                state.due_at = now
+            state.token = None
+        return requeued
+
+    def unpark(self, keys: Iterable[str]) -> int:
+        """Let parked keys flow again, as ``outbox-kafka unpark`` does; returns how many."""
+        now = self._clock()
+        unparked = 0
+        for name in keys:
+            state = self._keys.get(name)
+            if state is not None and state.parked:
+                state.parked, state.due_at = False, now
+                unparked += 1
+        return unparked
 
     # The store's contract ----------------------------------------------------------
 

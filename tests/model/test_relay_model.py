@@ -8,7 +8,8 @@ claims under a byte budget, sends whose messages are acknowledged, fail
 transiently, get no report (and land later, or never), go to a topic that does
 not exist yet or ride a record batch the broker refuses whole; lease expiries;
 relays killed between send and record; a database that fails a record, or is
-gone for good while a relay shuts down; and retention purging what is done.
+gone for good while a relay shuts down; and operators requeueing discarded
+events, unparking keys and purging what is done.
 
 After every step it checks what the documentation promises
 (docs/explanation/guarantees.md):
@@ -338,16 +339,20 @@ class RelayModel(RuleBasedStateMachine):
         self.claims = 0
         self.batch_size = 4
         self.max_claim_bytes = 2000
+        self.on_exhausted = "continue"
         for _ in range(2):
             self.relays.append(self._new_relay())
 
     @initialize(
-        batch_size=st.sampled_from([2, 4]), max_claim_bytes=st.sampled_from([2000, 1 << 25])
+        batch_size=st.sampled_from([2, 4]),
+        max_claim_bytes=st.sampled_from([2000, 1 << 25]),
+        on_exhausted=st.sampled_from(["continue", "park"]),
     )
-    def configure(self, batch_size: int, max_claim_bytes: int) -> None:
-        """Relays with this batch size and byte budget (a small batch leaves keys for
-        the claim read ahead while a batch is sent)."""
+    def configure(self, batch_size: int, max_claim_bytes: int, on_exhausted: str) -> None:
+        """Relays with this batch size, byte budget and way after a discard (a small
+        batch leaves keys for the claim read ahead while a batch is sent)."""
         self.batch_size, self.max_claim_bytes = batch_size, max_claim_bytes
+        self.on_exhausted = on_exhausted
         self.relays = [self._new_relay() for _ in range(2)]
 
     def _new_relay(self) -> tuple[Relay, Database, Broker]:
@@ -365,6 +370,7 @@ class RelayModel(RuleBasedStateMachine):
             backoff_base=0.2,
             backoff_cap=2.0,
             shutdown_timeout=0.02,
+            on_exhausted=self.on_exhausted,  # type: ignore[arg-type]
         )
         relay = Relay(relay_settings, store=database, publisher=broker)  # type: ignore[arg-type]
         relay.policy.rng.seed(len(self.relays))
@@ -559,6 +565,18 @@ class RelayModel(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- operators
 
+    @rule(pick=st.integers(0, 50))
+    def operator_requeues_a_discarded_event(self, pick: int) -> None:
+        with self.lock:
+            discarded = [e for e in self.store.events() if e.status == EventStatus.DISCARDED]
+            if discarded:
+                self.store.requeue([discarded[pick % len(discarded)].event_id])
+
+    @rule()
+    def operator_unparks_every_key(self) -> None:
+        with self.lock:
+            self.store.unpark(self.store.parked_keys())
+
     @rule()
     def retention_purges_what_is_done(self) -> None:
         with self.lock:
@@ -580,6 +598,7 @@ class RelayModel(RuleBasedStateMachine):
             relay = self.relays[0][0]
             for _ in range(20):
                 with self.lock:
+                    self.store.unpark(self.store.parked_keys())
                     self.clock.now += LEASE_SECONDS + 1
                     self.cluster.resolve_zombies(all_of_them=True)
                 relay.drain()

@@ -8,7 +8,7 @@ from outbox_kafka import Event
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batches import Claim, KeyOutcome
 from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.verdicts import EventStatus
+from outbox_kafka.relay.verdicts import EventStatus, Verdict
 from outbox_kafka.testing import InMemoryStore, StubPublisher
 
 
@@ -163,3 +163,27 @@ def test_retention_keeps_a_key_counting_while_any_event_of_it_is_left() -> None:
     store._keys["k"].next_seq = 3
     store.purge(delivered_seconds=0.0, discarded_seconds=1e9, batch=100)
     assert store.append("k", "t", b"{}").seq == 3
+
+
+def test_requeue_and_unpark_do_what_the_operator_commands_do() -> None:
+    store, kafka = (
+        InMemoryStore(),
+        StubPublisher(
+            answer=lambda m: Verdict.PERMANENT if b'"bad"' in m.value else Verdict.DELIVERED
+        ),
+    )
+    outbox = store.outbox(source="/t", allow_unknown_types=True)
+    settings = RelaySettings(
+        database_url="postgresql://u/db", bootstrap_servers="u:1", listen=False, on_exhausted="park"
+    )
+    for data in ({"bad": 1}, {"ok": 1}):
+        outbox.enqueue_many(None, [Event(type="x.y", key="k", topic="t", data=data)])
+        Relay(settings, store=store, publisher=kafka).drain()
+    assert store.parked_keys() == ["k"] and kafka.messages() == []
+    assert store.unpark(["k"]) == 1
+    Relay(settings, store=store, publisher=kafka).drain()
+    assert [e.status for e in store.events("k")] == ["discarded", "delivered"]
+    kafka.answer = lambda m: Verdict.DELIVERED
+    assert store.requeue([store.events("k")[0].event_id]) == 1
+    Relay(settings, store=store, publisher=kafka).drain()
+    assert [e.status for e in store.events("k")] == ["delivered", "delivered"]
