@@ -276,6 +276,11 @@ class RetryPolicy:
         )
         if in_producer:
             delay = max(delay, self.lease_seconds)
+        if next_seq == key.next_seq and not settled.events and not delay and not parked:
+            # Nothing of the key was sent or settled (the send was skipped): it is
+            # handed back as claimed and keeps its place in the queue.
+            settled.key = KeyOutcome.unchanged(key)
+            return settled
         settled.key = KeyOutcome(
             key.key, next_seq, delay, parked, drained and not blocked and not parked
         )

@@ -14,7 +14,7 @@ from confluent_kafka import KafkaError
 from outbox_kafka import DuplicateEventId, Event, InvalidKey, Outbox
 from outbox_kafka.errors import StorageError
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey
+from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey, KeyOutcome
 from outbox_kafka.relay.boundaries import Delivery, Message
 from outbox_kafka.relay.policy import BatchResults, RetryPolicy
 from outbox_kafka.relay.publisher import classify
@@ -496,3 +496,12 @@ def test_holds_are_counted_each_time_and_logged_once_a_minute_per_topic(
     assert len(holds) == 1 and getattr(holds[0], "held_since_last") == 0  # noqa: B009
     counted = relay.metrics.held.labels(topic="t", reason="UNKNOWN_TOPIC")._value.get()
     assert counted == 5
+
+
+def test_a_key_whose_send_was_skipped_keeps_its_place_in_the_queue() -> None:
+    key, events = _key(2)
+    key.due_at = 1234.5
+    results = BatchResults(deliveries={id(e): Delivery() for e in events})  # none sent
+    settled = _policy().settle(key, events, results, per_key_limit=10)
+    assert settled.events == [] and settled.key == KeyOutcome.unchanged(key)
+    assert settled.key.due_at == 1234.5
