@@ -68,3 +68,23 @@ def test_retention_does_not_renumber_a_key_with_an_event_left() -> None:
             ("write", {"delay": 0.0, "key": "a", "padding": 0, "poisoned": False, "topic": "t1"}),
         ]
     )
+
+
+def test_a_key_left_out_by_the_byte_budget_is_not_overtaken_again_and_again() -> None:
+    """A key the budget left out went back due at the record's time, as late as the
+    hot key it waited behind, and lost to it by name at every claim."""
+    small = {"delay": 0.0, "padding": 0, "poisoned": False, "topic": "t1"}
+    large = {**small, "padding": 2500}
+    _run(
+        [
+            ("configure", {"batch_size": 4, "max_claim_bytes": 2000, "on_exhausted": "continue"}),
+            ("write", {**small, "key": "a"}),
+            ("write", {**small, "key": "a"}),
+            ("write", {**large, "key": "a"}),
+            ("write", {**large, "key": "a"}),
+            *[("write", {**small, "key": "a"}) for _ in range(9)],
+            ("write", {**large, "key": "b"}),
+            ("write", {**small, "key": "c"}),
+            ("write", {**large, "key": "b"}),
+        ]
+    )
