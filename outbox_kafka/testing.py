@@ -200,8 +200,8 @@ class InMemoryStore:
             state = self._keys[name]
             state.next_seq = min(state.next_seq, first)
             state.parked = False
-            if state.token is None:
-                state.due_at = now
+            # Due now, unless it waits already (a lease, or a message that may land).
+            state.due_at = max(state.due_at, now)
             state.token = None
         return requeued
 
@@ -212,7 +212,7 @@ class InMemoryStore:
         for name in keys:
             state = self._keys.get(name)
             if state is not None and state.parked:
-                state.parked, state.due_at = False, now
+                state.parked, state.due_at = False, max(state.due_at, now)
                 unparked += 1
         return unparked
 

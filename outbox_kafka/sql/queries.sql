@@ -395,7 +395,9 @@ WITH picked AS (
     ON CONFLICT (ordering_key) DO UPDATE
     SET next_seq = LEAST(h.next_seq, EXCLUDED.next_seq),
         parked_at = NULL,
-        due_at = CASE WHEN h.claim_token IS NULL THEN now() ELSE h.due_at END,
+        -- Due now, unless the key waits already: a lease, or the relay holding it
+        -- while a message of it may still land. Never sooner than that.
+        due_at = GREATEST(h.due_at, now()),
         claim_token = NULL,
         lease_expires_at = NULL
     RETURNING 1
@@ -403,8 +405,9 @@ WITH picked AS (
 SELECT (SELECT count(*) FROM picked) AS requeued, (SELECT count(*) FROM heads) AS keys;
 
 -- name: unpark_keys
--- Lets parked keys flow again without requeueing anything.
-UPDATE {keys} SET parked_at = NULL, due_at = now()
+-- Lets parked keys flow again without requeueing anything: due now, or when the
+-- wait the relay gave the key ends (a message of it may still land).
+UPDATE {keys} SET parked_at = NULL, due_at = GREATEST(due_at, now())
 WHERE parked_at IS NOT NULL AND ordering_key = ANY(CAST(:ordering_keys AS text[]));
 
 -- name: purge_delivered

@@ -13,6 +13,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from outbox_kafka import Event
 from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker
+from outbox_kafka.operations import requeue_events, unpark_keys
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.settings import RelaySettings
 from tests.relay_support import consume_all, make_settings, per_key_order, rows, topic_outbox
@@ -127,3 +128,40 @@ def test_a_refused_record_batch_discards_only_the_event_the_broker_refuses_alone
         for k in "abc"
     }
     assert per_key_order(records) == expected
+
+
+def test_a_requeue_or_unpark_keeps_a_key_waiting_while_a_message_of_it_may_still_land(
+    engine: sa.Engine,
+) -> None:
+    """The relay holds a key whose message got no delivery report for a lease: the
+    message may still land. An operator's requeue or unpark must not make it due
+    sooner (found by the model checker: the key was sent again meanwhile)."""
+    outbox = topic_outbox()
+    with engine.begin() as conn:
+        outbox.enqueue_many(
+            conn, [Event(type="t.e", key=k, topic="t", data={"i": i}) for k in "ab" for i in (1, 2)]
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO outbox_keys (ordering_key, next_seq, due_at) "
+            "SELECT ordering_key, first_seq, due_at FROM outbox_arrivals ON CONFLICT DO NOTHING"
+        )
+        conn.exec_driver_sql("DELETE FROM outbox_arrivals")
+        # Event 1 discarded; event 2 sent, unreported: the key is held for a lease.
+        conn.exec_driver_sql(
+            "UPDATE outbox SET status = 'discarded', last_error = 'x' WHERE seq = 1"
+        )
+        conn.exec_driver_sql(
+            "UPDATE outbox_keys SET next_seq = 2, due_at = now() + interval '30 seconds', "
+            "parked_at = CASE WHEN ordering_key = 'b' THEN now() END"
+        )
+    [(discarded_a,)] = rows(
+        engine, "SELECT event_id FROM outbox WHERE ordering_key = 'a' AND seq = 1"
+    )
+    assert requeue_events(engine, [discarded_a]) == 1
+    assert unpark_keys(engine, ["b"]) == 1
+    waits = rows(
+        engine,
+        "SELECT ordering_key, next_seq, due_at > now() + interval '25 seconds' "
+        "FROM outbox_keys ORDER BY ordering_key",
+    )
+    assert [tuple(r) for r in waits] == [("a", 1, True), ("b", 2, True)]

@@ -88,3 +88,20 @@ def test_a_key_left_out_by_the_byte_budget_is_not_overtaken_again_and_again() ->
             ("write", {**large, "key": "b"}),
         ]
     )
+
+
+def test_a_requeue_does_not_cut_short_the_wait_for_a_message_that_may_land() -> None:
+    """A requeue made a key due at once while the relay held it for a message that
+    had no delivery report yet: the key was sent again while that message could land."""
+    event = {"delay": 0.0, "key": "a", "padding": 0, "topic": "t1"}
+    _run(
+        [
+            ("configure", {"batch_size": 2, "max_claim_bytes": 2000, "on_exhausted": "continue"}),
+            ("write", {**event, "poisoned": True}),
+            ("weather", {"topic": "t1", "weather": "unreported"}),
+            ("write", {**event, "poisoned": False}),
+            ("relay_cycles", {"cycles": 2, "index": 0}),
+            ("operator_requeues_a_discarded_event", {"pick": 0}),
+            ("relay_stops_while_the_database_is_down", {"index": 0}),
+        ]
+    )
