@@ -50,18 +50,18 @@ def idle_key_outcome(key: ClaimedKey) -> KeyOutcome:
 
 
 def over_topic_limit(
-    event: ClaimedEvent, key: bytes, message_limit: Callable[[str], int | None]
+    message: Message, message_limit: Callable[[str], int | None]
 ) -> Problem | None:
-    """The event's problem if its message is larger than its topic takes (where told)."""
-    limit = message_limit(event.topic)
+    """The message's problem if it is larger than its topic takes (where told)."""
+    limit = message_limit(message.topic)
     if limit is None:
         return None
-    size = message_size(key, event.value, event.headers or [])
+    size = message_size(message.key, message.value, message.headers)
     if size <= limit:
         return None
     return (
         Verdict.PERMANENT,
-        f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over topic {event.topic!r}'s "
+        f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over topic {message.topic!r}'s "
         f"max.message.bytes ({limit}); raise it, then requeue the event",
     )
 
@@ -85,10 +85,11 @@ def plan_batch(
         plan.keys.append((claimed, due))
         key = claimed.key.encode()
         for event in due:
+            message = Message(event.topic, key, event.value, event.headers or [], event.event_id)
             problem = (
                 problems.get(id(event))
                 or topic_problem(event.topic)
-                or over_topic_limit(event, key, message_limit)
+                or over_topic_limit(message, message_limit)
             )
             if problem is not None:
                 # Nothing later of this key goes out in this batch: whatever becomes
@@ -105,9 +106,7 @@ def plan_batch(
                     plan.discarded_first.append(Discard(event, event.attempts + 1, reason, error))
                 break
             plan.events.append(event)
-            plan.messages.append(
-                Message(event.topic, key, event.value, event.headers or [], event.event_id)
-            )
+            plan.messages.append(message)
     return plan
 
 
@@ -116,9 +115,11 @@ def dead_letter_messages(
     topic: str | None,
     topic_problem: Callable[[str], Problem | None],
     copies: dict[int, tuple[Verdict, str | None]],
+    message_limit: Callable[[str], int | None] = lambda topic: None,
 ) -> list[Message]:
     """The dead-letter copies of ``discards`` to send; where none can be sent (no
-    dead-letter topic, or a problem with it), the copy's verdict goes in ``copies``."""
+    dead-letter topic, a problem with it, a copy larger than it takes), the copy's
+    verdict goes in ``copies``."""
     if not discards:
         return []
     if topic is None:
@@ -131,21 +132,29 @@ def dead_letter_messages(
             verdict = Verdict.RETRIABLE  # the copy is made once the topic can take it
         copies.update((id(d.event), (verdict, error)) for d in discards)
         return []
-    return [
-        Message(
-            topic,
-            d.event.key.encode(),
-            d.event.value,
-            [
-                *(d.event.headers or []),
-                ("outbox_error", d.reason.encode("utf-8", "replace")[:_MAX_REASON_HEADER]),
-                ("outbox_original_topic", d.event.topic.encode()),
-                ("outbox_event_id", d.event.event_id.encode()),
-            ],
-            d.event.event_id,
-        )
-        for d in discards
-    ]
+    made = [(d, _copy(d, topic)) for d in discards]
+    for discard, copy in made:
+        too_large = over_topic_limit(copy, message_limit)
+        if too_large is not None:
+            copies[id(discard.event)] = too_large
+    return [copy for discard, copy in made if id(discard.event) not in copies]
+
+
+def _copy(discard: Discard, topic: str) -> Message:
+    """The dead-letter copy of a discarded event: as it was, with why and where from."""
+    d = discard
+    return Message(
+        topic,
+        d.event.key.encode(),
+        d.event.value,
+        [
+            *(d.event.headers or []),
+            ("outbox_error", d.reason.encode("utf-8", "replace")[:_MAX_REASON_HEADER]),
+            ("outbox_original_topic", d.event.topic.encode()),
+            ("outbox_event_id", d.event.event_id.encode()),
+        ],
+        d.event.event_id,
+    )
 
 
 def note_copies(

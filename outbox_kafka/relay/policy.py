@@ -125,10 +125,6 @@ class Settlement:
         return [d for d in self.decisions if isinstance(d, Discard)]
 
     @property
-    def holds(self) -> list[Hold]:
-        return [d for d in self.decisions if isinstance(d, Hold)]
-
-    @property
     def order_violations(self) -> list[OrderViolation]:
         return [d for d in self.decisions if isinstance(d, OrderViolation)]
 

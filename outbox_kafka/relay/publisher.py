@@ -40,6 +40,13 @@ METADATA_RETRY_SECONDS = 2.0
 #: How long a topic's max.message.bytes, as the broker told it, is trusted.
 TOPIC_LIMIT_SECONDS = 60.0
 
+#: How long a topic found missing (or not granted) is taken to be so, before the
+#: broker is asked again: held keys are looked at every few seconds.
+MISSING_TOPIC_SECONDS = 2.0
+
+#: librdkafka's names of the producer's compression setting.
+_COMPRESSION_KEYS = ("compression.type", "compression.codec")
+
 # Errors no retry can fix: the event is set aside at once.
 _PERMANENT_CODES = {
     KafkaError.MSG_SIZE_TOO_LARGE,
@@ -139,6 +146,8 @@ class Publisher:
         self._admin_config = admin_config
         self._create_partitions = create_partitions
         self._known_topics: set[str] = set()
+        #: By topic: why it cannot be sent to, and until when that answer is used.
+        self._missing_topics: dict[str, tuple[Problem, float]] = {}
         #: By topic: (its max.message.bytes or None where not told, when it was read).
         self._topic_limits: dict[str, tuple[int | None, float]] = {}
         self._metadata_timeout = metadata_timeout
@@ -188,6 +197,9 @@ class Publisher:
         if topic in self._known_topics:
             return None
         now = time.monotonic()
+        missing = self._missing_topics.get(topic)
+        if missing is not None and now < missing[1]:
+            return missing[0]
         if now < self._metadata_retry_at:
             # The last fetch failed moments ago: do not block on it again per event.
             return Verdict.RETRIABLE, self._metadata_error
@@ -202,6 +214,14 @@ class Publisher:
                 self._known_topics.add(name)
         if topic in self._known_topics:
             return None
+        problem = self._unavailable(topic, metadata)
+        if problem is not None:
+            self._missing_topics[topic] = (problem, time.monotonic() + MISSING_TOPIC_SECONDS)
+        return problem
+
+    def _unavailable(self, topic: str, metadata: Any) -> Problem | None:
+        """Why ``topic``, not among the topics ``metadata`` lists whole, cannot be
+        sent to: missing (created here with --create-topics) or not granted."""
         listed = metadata.topics.get(topic)
         error = listed.error if listed is not None else None
         if isinstance(error, KafkaError) and error.code() in _HELD_CODES - {
@@ -243,7 +263,7 @@ class Publisher:
         broker tells it (DescribeConfigs) and the producer does not compress: a
         compressed batch may fit a limit its messages exceed. Read again after a minute,
         so that a limit an operator raises takes effect."""
-        if self._config.get("compression.type", "none") != "none":
+        if any(self._config.get(k, "none") != "none" for k in _COMPRESSION_KEYS):
             return None
         now = time.monotonic()
         cached = self._topic_limits.get(topic)
@@ -255,10 +275,10 @@ class Publisher:
             futures = self._admin_client().describe_configs(
                 [resource], request_timeout=self._metadata_timeout
             )
-            entry = futures[resource].result(self._metadata_timeout).get("max.message.bytes")
+            entry = futures[resource].result(self._metadata_timeout + 1).get("max.message.bytes")
             limit = int(entry.value)
-        except (KafkaException, AttributeError, KeyError, TypeError, ValueError):
-            limit = None  # not told: the broker's answer to the send decides
+        except Exception:
+            limit = None  # the broker's answer to the send decides
         self._topic_limits[topic] = (limit, now)
         return limit
 
@@ -313,6 +333,11 @@ class Publisher:
                     delivery.error = str(exc)
                 held.add(msg.key)
         self._wait(producer, deliveries, timeout, abort, reports)
+        for msg, delivery in zip(messages, deliveries, strict=True):
+            if delivery.verdict == Verdict.HELD:
+                # The topic went away (or its grant) since it was seen: look again,
+                # and create it again where the relay creates topics.
+                self._known_topics.discard(msg.topic)
         return deliveries
 
     @staticmethod

@@ -20,7 +20,6 @@ from outbox_kafka.relay.boundaries import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.planning import dead_letter_messages, note_copies, plan_batch
 from outbox_kafka.relay.policy import (
-    BatchResults,
     Discard,
     Hold,
     OrderViolation,
@@ -74,18 +73,18 @@ class BatchSender:
     def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
         """Send the claimed events; decide every key's and event's next state."""
         topic_problem = self.publisher.topic_problem
-        plan = plan_batch(claim, problems, topic_problem, self.policy, self.publisher.message_limit)
+        message_limit = self.publisher.message_limit
+        plan = plan_batch(claim, problems, topic_problem, self.policy, message_limit)
         results = plan.results
         first = plan.discarded_first
         first_copies = dead_letter_messages(
-            first, self.dead_letter_topic, topic_problem, results.copies
+            first, self.dead_letter_topic, topic_problem, results.copies, message_limit
         )
         if plan.messages or first_copies:
-            deliveries = self._within_lease(plan.messages + first_copies, lease_ends)
+            deliveries = self._send(plan.messages + first_copies, lease_ends)
             sent = deliveries[: len(plan.messages)]
             results.deliveries = {id(e): d for e, d in zip(plan.events, sent, strict=True)}
             note_copies(first, deliveries[len(plan.messages) :], results.copies)
-            self._send_alone(plan.events, plan.messages, results, lease_ends)
 
         later = [
             discard
@@ -94,10 +93,10 @@ class BatchSender:
             if id(discard.event) not in results.copies
         ]
         later_copies = dead_letter_messages(
-            later, self.dead_letter_topic, topic_problem, results.copies
+            later, self.dead_letter_topic, topic_problem, results.copies, message_limit
         )
         if later_copies:
-            note_copies(later, self._within_lease(later_copies, lease_ends), results.copies)
+            note_copies(later, self._send(later_copies, lease_ends), results.copies)
 
         batch = SentBatch(keys=plan.idle_keys, sent=len(plan.messages))
         published: dict[str, int] = {}
@@ -112,42 +111,50 @@ class BatchSender:
             self.metrics.published.labels(topic=topic).inc(count)
         return batch
 
-    def _send_alone(
-        self,
-        events: list[ClaimedEvent],
-        messages: list[Message],
-        results: BatchResults,
-        lease_ends: float,
-    ) -> None:
-        """Send each event the broker refused with its record batch again on its own,
-        in its key's order, so that only a message refused alone is found at fault.
+    def _send(self, messages: list[Message], lease_ends: float) -> list[Delivery]:
+        """Send ``messages`` within the lease; those the broker refused with their
+        record batch are sent again alone (:meth:`_resend_alone`)."""
+        return self._resend_alone(messages, self._within_lease(messages, lease_ends), lease_ends)
 
-        A key stops at its first event that does not get through alone; the ones
-        after it are left unsent (tried again in a later batch, no attempt counted).
+    def _resend_alone(
+        self, messages: list[Message], deliveries: list[Delivery], lease_ends: float
+    ) -> list[Delivery]:
+        """``deliveries`` with each message the broker refused with its record batch
+        sent again on its own, in its key's order, so that only a message refused
+        alone is found at fault.
+
+        A key stops at its first message that does not get through alone, and is not
+        resent at all where a later message of it got through already (sent now,
+        the refused one would land after it; it stays unsent and the order violation
+        is counted). What stays refused is left unsent: tried again in a later batch,
+        no attempt counted.
         """
-        refused = [
-            (event, message)
-            for event, message in zip(events, messages, strict=True)
-            if results.deliveries[id(event)].verdict == Verdict.BATCH_REJECTED
-        ]
+        refused = [i for i, d in enumerate(deliveries) if d.verdict == Verdict.BATCH_REJECTED]
         if not refused:
-            return
+            return deliveries
         log.warning(
             "the broker refused a record batch; sending its messages one by one",
             extra={"action": "send_alone", "messages": len(refused)},
         )
-        stopped: set[str] = set()
-        for event, message in refused:
-            if event.key in stopped:
-                results.deliveries[id(event)] = Delivery()
+        out = list(deliveries)
+        stopped = {
+            messages[i].key
+            for i in refused
+            for j in range(i + 1, len(messages))
+            if messages[j].key == messages[i].key and deliveries[j].verdict == Verdict.DELIVERED
+        }
+        for i in refused:
+            message = messages[i]
+            if message.key in stopped or self._abort():
                 continue
             (delivery,) = self._within_lease([message], lease_ends)
             if delivery.reported and delivery.verdict == Verdict.BATCH_REJECTED:
                 delivery.verdict = Verdict.PERMANENT
                 delivery.error = f"{delivery.error} (refused when sent alone)"
-            results.deliveries[id(event)] = delivery
+            out[i] = delivery
             if delivery.verdict != Verdict.DELIVERED or not delivery.reported:
-                stopped.add(event.key)
+                stopped.add(message.key)
+        return out
 
     def _within_lease(self, messages: list[Message], lease_ends: float) -> list[Delivery]:
         """Send ``messages`` if the lease outlasts their delivery timeout; else none (unsent).

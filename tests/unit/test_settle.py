@@ -16,8 +16,8 @@ from outbox_kafka.errors import StorageError
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey, KeyOutcome
 from outbox_kafka.relay.boundaries import Delivery, Message
-from outbox_kafka.relay.policy import BatchResults, RetryPolicy
-from outbox_kafka.relay.publisher import classify
+from outbox_kafka.relay.policy import BatchResults, Hold, RetryPolicy
+from outbox_kafka.relay.publisher import Publisher, classify
 from outbox_kafka.relay.settings import RelaySettings
 from outbox_kafka.relay.verdicts import EventStatus, Verdict
 from outbox_kafka.testing import InMemoryStore, StubPublisher
@@ -363,7 +363,8 @@ def test_a_held_event_stops_its_key_without_counting_an_attempt() -> None:
     settled = _policy(max_attempts=3).settle(key, events, results, per_key_limit=10)
     assert _statuses(settled.events) == ["pending"] and settled.events[0].attempts_added == 0
     assert settled.key.next_seq == 1 and 0 < settled.key.delay <= 5.0
-    assert [h.event for h in settled.holds] == events[:1] and settled.discards == []
+    holds = [d for d in settled.decisions if isinstance(d, Hold)]
+    assert [h.event for h in holds] == events[:1] and settled.discards == []
 
 
 def test_a_missing_topic_holds_its_events_in_order_until_it_exists() -> None:
@@ -505,3 +506,65 @@ def test_a_key_whose_send_was_skipped_keeps_its_place_in_the_queue() -> None:
     settled = _policy().settle(key, events, results, per_key_limit=10)
     assert settled.events == [] and settled.key == KeyOutcome.unchanged(key)
     assert settled.key.due_at == 1234.5
+
+
+def test_a_dead_letter_copy_larger_than_its_topic_takes_is_impossible_and_the_key_goes_on() -> None:
+    store = InMemoryStore()
+    kafka = StubPublisher(message_limits={"t": 400, "dlq": 400})
+    store.enqueue(_outbox(), Event(type="x.y", key="k", topic="t", data={"pad": "x" * 500}))
+    _enqueue(store, "k", 1)
+    _relay(store, kafka, dead_letter_topic="dlq").drain()
+    big, small = store.events("k")
+    assert big.status == "discarded" and "dead-letter copy impossible" in (big.error or "")
+    assert small.status == "delivered" and kafka.messages("dlq") == []
+
+
+class _RefusesTheFirstBatchOnly(StubPublisher):
+    """The first message of the first send is refused with its record batch; the
+    rest of that send lands (it went in the next record batch)."""
+
+    def send(self, messages, *, timeout, abort=None):  # type: ignore[no-untyped-def]
+        deliveries = super().send(messages, timeout=timeout, abort=abort)
+        if len(self.sends) == 1:
+            self._delivered = [(m, d) for m, d in self._delivered if m is not messages[0]]
+            deliveries[0] = Delivery(
+                Verdict.BATCH_REJECTED, error="INVALID_RECORD: refused", sent=True, reported=True
+            )
+        return deliveries
+
+
+def test_a_refused_message_is_not_resent_alone_behind_a_later_one_of_its_key_that_landed() -> None:
+    store, kafka = InMemoryStore(), _RefusesTheFirstBatchOnly()
+    _enqueue(store, "k", 2)
+    relay = _relay(store, kafka)
+    relay.cycle()
+    assert len(kafka.sends) == 1  # nothing sent alone: it would land after the second
+    first, second = store.events("k")
+    assert (first.status, first.attempts, second.status) == ("pending", 0, "delivered")
+    assert relay.metrics.order_violations.labels(topic="t")._value.get() == 1
+
+
+class _SilentAdmin:
+    """An admin client whose DescribeConfigs never answers in time."""
+
+    def __init__(self, config: object) -> None:
+        pass
+
+    def describe_configs(self, resources, request_timeout):  # type: ignore[no-untyped-def]
+        class Late:
+            def result(self, timeout: float) -> None:
+                raise TimeoutError
+
+        return {r: Late() for r in resources}
+
+
+def test_the_topic_limit_is_not_told_by_a_broker_that_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A timeout reading the limit once stopped the relay; now the send decides.
+    monkeypatch.setattr("outbox_kafka.relay.publisher.AdminClient", _SilentAdmin)
+    publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {}, metadata_timeout=0.1)
+    try:
+        assert publisher.message_limit("t") is None
+    finally:
+        publisher.close(timeout=0)
