@@ -192,7 +192,7 @@ class InMemoryStore:
         for name, state in self._keys.items():
             for event in state.events:
                 if event.event_id in wanted and event.status == EventStatus.DISCARDED:
-                    event.status, event.attempts = EventStatus.PENDING, 0
+                    event.status, event.attempts, event.error = EventStatus.PENDING, 0, None
                     event.available_at, event.finished_at = now, None
                     firsts[name] = min(firsts.get(name, event.seq), event.seq)
                     requeued += 1

@@ -384,7 +384,9 @@ SELECT (SELECT count(*) FROM owned) AS keys_owned,
 -- events), and nobody claims the key before that relay's lease has ended.
 WITH picked AS (
     UPDATE {events} e
-    SET status = 'pending', available_at = now(), attempts = 0
+    -- A fresh start: no attempt and no error (an event with none counts as held
+    -- only once a relay holds it again).
+    SET status = 'pending', available_at = now(), attempts = 0, last_error = NULL
     WHERE e.event_id = ANY(CAST(:event_ids AS uuid[])) AND e.status = 'discarded'
     RETURNING e.ordering_key, e.seq
 ), per_key AS (

@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from outbox_kafka import Event
 from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker
-from outbox_kafka.operations import requeue_events, unpark_keys
+from outbox_kafka.operations import remaining_work, requeue_events, unpark_keys
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.settings import RelaySettings
 from tests.relay_support import consume_all, make_settings, per_key_order, rows, topic_outbox
@@ -165,3 +165,19 @@ def test_a_requeue_or_unpark_keeps_a_key_waiting_while_a_message_of_it_may_still
         "FROM outbox_keys ORDER BY ordering_key",
     )
     assert [tuple(r) for r in waits] == [("a", 1, True), ("b", 2, True)]
+
+
+def test_a_requeued_event_starts_afresh_and_is_not_counted_as_held(engine: sa.Engine) -> None:
+    outbox = topic_outbox()
+    with engine.begin() as conn:
+        [event_id] = outbox.enqueue_many(conn, [Event(type="t.e", key="k", topic="t", data={})])
+        conn.exec_driver_sql(
+            "UPDATE outbox SET status = 'discarded', attempts = 3, last_error = 'gave up'"
+        )
+    assert requeue_events(engine, [event_id]) == 1
+    [(attempts, error)] = rows(engine, "SELECT attempts, last_error FROM outbox")
+    assert (attempts, error) == (0, None)
+    with engine.begin() as conn:  # the key waits, as behind a lease taken back
+        conn.exec_driver_sql("UPDATE outbox_keys SET due_at = now() + interval '30 seconds'")
+    left = remaining_work(engine)
+    assert (left.pending, left.held) == (1, 0)
