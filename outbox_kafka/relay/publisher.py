@@ -107,8 +107,8 @@ def classify(code: int, *, reported: bool) -> Verdict:
 
 
 def _verdict(err: KafkaError, *, reported: bool) -> Verdict:
-    if _needs_rebuild(err):
-        return Verdict.RETRIABLE
+    if err.fatal():
+        return Verdict.RETRIABLE  # as for the rebuild codes: the producer is rebuilt
     return classify(err.code(), reported=reported)
 
 
