@@ -329,7 +329,8 @@ class InMemoryStore:
             stored.attempts += outcome.attempts_added
             stored.available_at = now + outcome.delay
             stored.partition, stored.offset = outcome.partition, outcome.offset
-            stored.error = outcome.error
+            if outcome.error is not None:  # as the database does: no error keeps the last
+                stored.error = outcome.error
             if outcome.status != EventStatus.PENDING:
                 stored.finished_at = now
             counts[outcome.status] += 1

@@ -172,7 +172,7 @@ def note_copies(
                 Verdict.RETRIABLE,
                 "no delivery report for the dead-letter copy",
             )
-        elif delivery.verdict in (Verdict.HELD, Verdict.BATCH_REJECTED):
+        elif delivery.verdict in (Verdict.HELD, Verdict.BATCH_REJECTED, Verdict.RESET):
             # Not the copy's own fault: it is made again with the event's next try.
             copies[id(discard.event)] = (Verdict.RETRIABLE, delivery.error)
         else:

@@ -67,6 +67,9 @@ class Retry:
     error: str | None
     #: The event itself is to be discarded, but its dead-letter copy failed (``error``).
     copy_failed: bool = False
+    #: Whether the failure counts as an attempt (not when the producer was reset:
+    #: ``attempt`` is then the count the event already had).
+    counted: bool = True
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,12 @@ class RetryPolicy:
                 blocked, next_seq = True, event.seq
                 delay = self._hold(event, error, out, rehearsal)
                 continue
+            if verdict == Verdict.RESET:
+                settled.decisions.append(Retry(event, event.attempts, error, counted=False))
+                held_back = held_back or event
+                blocked, next_seq = True, event.seq
+                delay = self._retry_uncounted(event, out, rehearsal)
+                continue
             attempt = event.attempts + 1
             if not self.gives_up(event, verdict):
                 settled.decisions.append(Retry(event, attempt, error))
@@ -312,6 +321,19 @@ class RetryPolicy:
             )
         )
         return delay
+
+    def _retry_uncounted(
+        self, event: ClaimedEvent, out: list[EventOutcome], rehearsal: bool
+    ) -> float:
+        """Keep an event whose producer was reset pending, its attempts and last error
+        as they were; the first attempt's backoff before it is sent again."""
+        backoff = 0.0 if rehearsal else self.backoff(1)
+        out.append(
+            EventOutcome(
+                event.event_id, event.key, EventStatus.PENDING, 0, backoff, None, None, None
+            )
+        )
+        return backoff
 
     def _retry_later(
         self, event: ClaimedEvent, error: str | None, out: list[EventOutcome], rehearsal: bool

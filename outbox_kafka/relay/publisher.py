@@ -96,7 +96,7 @@ def classify(code: int, *, reported: bool) -> Verdict:
     """The verdict of a Kafka error ``code``: from a delivery report (``reported``),
     or raised by ``produce()`` for the message alone."""
     if code in _REBUILD_CODES:
-        return Verdict.RETRIABLE  # the producer is rebuilt; the event itself is fine
+        return Verdict.RESET  # the producer is rebuilt; the event itself is fine
     if code in _HELD_CODES:
         return Verdict.HELD
     if reported and code in _BATCH_CODES:
@@ -108,7 +108,7 @@ def classify(code: int, *, reported: bool) -> Verdict:
 
 def _verdict(err: KafkaError, *, reported: bool) -> Verdict:
     if err.fatal():
-        return Verdict.RETRIABLE  # as for the rebuild codes: the producer is rebuilt
+        return Verdict.RESET  # as for the rebuild codes: the producer is rebuilt
     return classify(err.code(), reported=reported)
 
 

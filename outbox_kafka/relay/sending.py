@@ -123,7 +123,9 @@ class BatchSender:
         sent again on its own, in its key's order, so that only a message refused
         alone is found at fault.
 
-        A key stops at its first message that does not get through alone, and is not
+        A message whose producer was reset under it (some brokers fence the producer
+        of a refused batch) is sent alone once more on the new producer. A key stops
+        at its first message that does not get through alone, and is not
         resent at all where a later message of it got through already (sent now,
         the refused one would land after it; it stays unsent and the order violation
         is counted). What stays refused is left unsent: tried again in a later batch,
@@ -148,6 +150,10 @@ class BatchSender:
             if message.key in stopped or self._abort():
                 continue
             (delivery,) = self._within_lease([message], lease_ends)
+            if delivery.reported and delivery.verdict == Verdict.RESET and not self._abort():
+                # Some brokers fence the producer that sent a refused batch: the
+                # message goes alone once more, on the producer built after it.
+                (delivery,) = self._within_lease([message], lease_ends)
             if delivery.reported and delivery.verdict == Verdict.BATCH_REJECTED:
                 delivery.verdict = Verdict.PERMANENT
                 delivery.error = f"{delivery.error} (refused when sent alone)"
@@ -197,7 +203,9 @@ class BatchSender:
                     topic=event.topic, reason=error_label(decision.error)
                 ).inc()
                 log.warning(
-                    "send failed, will retry",
+                    "send failed, will retry"
+                    if decision.counted
+                    else "the producer was reset under the send; will retry, no attempt counted",
                     extra=event_fields(event, "retry", decision.attempt, decision.error),
                 )
             else:

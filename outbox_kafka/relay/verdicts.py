@@ -21,6 +21,10 @@ class Verdict(StrEnum):
     #: The broker refused the whole record batch it went in: whether the message
     #: itself is at fault is known only once it is sent alone.
     BATCH_REJECTED = "batch_rejected"
+    #: The producer's session with the broker ended under it (fenced, its epoch or
+    #: sequence numbers lost): the message is not at fault. The producer is rebuilt
+    #: and the event tried again after a short backoff; no attempt is counted.
+    RESET = "reset"
     #: It never reached the producer (not sent: lease too short, shutdown, earlier failure).
     UNSENT = "unsent"
     #: The producer took it, but no delivery report came before the wait ended.

@@ -6,7 +6,8 @@ in-memory store and a small model of a Kafka cluster, through random
 interleavings of writes (keys, sizes, topics, delays, events the broker refuses),
 claims under a byte budget, sends whose messages are acknowledged, fail
 transiently, get no report (and land later, or never), go to a topic that does
-not exist yet or ride a record batch the broker refuses whole; lease expiries;
+not exist yet or ride a record batch the broker refuses whole (after which it
+may fence the producer, failing its next send whole); lease expiries;
 relays killed between send and record; a database that fails a record, or is
 gone for good while a relay shuts down; and operators requeueing discarded
 events, unparking keys and purging what is done.
@@ -16,6 +17,8 @@ After every step it checks what the documentation promises
 
 - per-key commit order, by each event's first occurrence on the topics;
 - nothing discarded but what the broker refuses on its own;
+- no attempt counted against an event the broker did not fail (a fenced
+  producer is not the event's fault);
 - no key sent while a message of it may still land (an unreported message,
   within its delivery timeout);
 - no due key left out of a claim by the byte budget while keys that became
@@ -118,6 +121,10 @@ class Cluster:
     zombies: list[Zombie] = field(default_factory=list)
     #: Event ids the broker refuses whatever batch they are in, alone too.
     poisoned: set[str] = field(default_factory=set)
+    #: Whether a refused record batch fences the producer that sent it.
+    fences_after_refusal: bool = False
+    #: Per event id: how often the broker failed it (a transient error).
+    failures: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
 
     def may_still_land(self, key: bytes) -> bool:
@@ -144,6 +151,8 @@ class Broker:
     def __init__(self, cluster: Cluster, database: Database) -> None:
         self.cluster = cluster
         self.database = database
+        #: The broker fenced this producer: its next send fails whole.
+        self.fenced = False
         #: The claims whose events this producer was handed.
         self.sent_claims: set[uuid.UUID] = set()
 
@@ -169,7 +178,14 @@ class Broker:
                 cluster.violations.append(
                     f"key {message.key.decode()} sent while a message of it may still land"
                 )
+        if self.fenced:
+            # The relay rebuilds its producer after this send.
+            self.fenced = False
+            self.sent_claims.update(self.database.token_of[m.event_id] for m in messages)
+            verdict = classify(KafkaError.PRODUCER_FENCED, reported=True)
+            return [_reported(verdict, "PRODUCER_FENCED: fenced") for _ in messages]
         refused_topics = {m.topic for m in messages if m.event_id in cluster.poisoned}
+        self.fenced = bool(refused_topics) and cluster.fences_after_refusal
         #: Per key, what its first message that did not get through became: the
         #: idempotent producer keeps a partition's order, so the rest follow it.
         failed: dict[bytes, Delivery] = {}
@@ -203,6 +219,8 @@ class Broker:
     def _answer(self, message: Message) -> Delivery:
         weather = self.cluster.weather[message.topic]
         if weather == "transient":
+            failures = self.cluster.failures
+            failures[message.event_id] = failures.get(message.event_id, 0) + 1
             return _reported(Verdict.RETRIABLE, "REQUEST_TIMED_OUT: the broker is slow")
         if weather == "unreported":
             return Delivery(sent=True, reported=False, error="NO_REPORT: still in the producer")
@@ -435,6 +453,7 @@ class RelayModel(RuleBasedStateMachine):
             assert not self.violations, self.violations
             self._check_order()
             self._check_discards()
+            self._check_attempts()
 
     def _check_order(self) -> None:
         seen: set[str] = set()
@@ -457,6 +476,15 @@ class RelayModel(RuleBasedStateMachine):
                     f"key {written.key}: event {written.order} discarded, though the broker "
                     f"takes it alone: {stored.error}"
                 )
+
+    def _check_attempts(self) -> None:
+        for stored in self.store.events():
+            written = self.written[stored.event_id]
+            failed = self.cluster.failures.get(stored.event_id, 0)
+            assert written.poisoned or stored.attempts <= failed, (
+                f"key {written.key}: event {written.order} has {stored.attempts} attempts "
+                f"counted, though the broker failed it {failed} times: {stored.error}"
+            )
 
     # -------------------------------------------------------------- writers
 
@@ -496,6 +524,10 @@ class RelayModel(RuleBasedStateMachine):
     )
     def weather(self, topic: str, weather: str) -> None:
         self.cluster.weather[topic] = weather
+
+    @rule(fences=st.booleans())
+    def broker_fences_after_refusal(self, fences: bool) -> None:
+        self.cluster.fences_after_refusal = fences
 
     @rule(lands=st.booleans())
     def unreported_messages_land(self, lands: bool) -> None:

@@ -439,7 +439,8 @@ def test_an_event_larger_than_its_topic_takes_is_refused_naming_the_limit() -> N
         (KafkaError.INVALID_RECORD, True, Verdict.BATCH_REJECTED),
         (KafkaError.MSG_SIZE_TOO_LARGE, False, Verdict.PERMANENT),
         (KafkaError.REQUEST_TIMED_OUT, True, Verdict.RETRIABLE),
-        (KafkaError.PRODUCER_FENCED, True, Verdict.RETRIABLE),
+        (KafkaError.PRODUCER_FENCED, True, Verdict.RESET),
+        (KafkaError.UNKNOWN_PRODUCER_ID, False, Verdict.RESET),
     ],
 )
 def test_kafka_errors_are_classed_by_whose_fault_they_name(
@@ -568,3 +569,53 @@ def test_the_topic_limit_is_not_told_by_a_broker_that_does_not_answer(
         assert publisher.message_limit("t") is None
     finally:
         publisher.close(timeout=0)
+
+
+class _FencesAfterARefusal(StubPublisher):
+    """A broker that refuses every record batch holding a ``poison`` message and
+    then fences the producer: the next send fails whole with PRODUCER_FENCED, as
+    the producer built after it would not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fenced = False
+
+    def send(self, messages, *, timeout, abort=None):  # type: ignore[no-untyped-def]
+        self.sends.append(list(messages))
+        if self.fenced:
+            self.fenced = False  # the relay builds a new producer
+            verdict = classify(KafkaError.PRODUCER_FENCED, reported=True)
+            return [
+                Delivery(verdict, error="PRODUCER_FENCED: fenced", sent=True, reported=True)
+                for _ in messages
+            ]
+        if any(b"poison" in m.value for m in messages):
+            self.fenced = True
+            verdict = classify(KafkaError.INVALID_RECORD, reported=True)
+            return [
+                Delivery(verdict, error="INVALID_RECORD: refused", sent=True, reported=True)
+                for _ in messages
+            ]
+        self.sends.pop()
+        return super().send(messages, timeout=timeout, abort=abort)
+
+
+def test_a_producer_fenced_after_a_refused_batch_charges_no_attempt_to_innocent_events() -> None:
+    # On the test broker a refused batch fences its producer: each fenced send
+    # counted an attempt against every event in it, and the poison event, resent
+    # alone on the fenced producer, was retried as fenced instead of refused alone.
+    store, kafka = InMemoryStore(), _FencesAfterARefusal()
+    store.enqueue(_outbox(), Event(type="x.y", key="p", topic="t", data={"s": "poison"}))
+    _enqueue(store, "a", 2)
+    relay = _relay(store, kafka, max_attempts=2, backoff_base=0.01, backoff_cap=0.01)
+    relay.drain()
+    (poison,) = store.events("p")
+    assert poison.status == "discarded" and "refused when sent alone" in (poison.error or "")
+    assert poison.attempts == 1  # the refusal alone, not the fencing
+    assert [(e.status, e.attempts) for e in store.events("a")] == [("delivered", 0)] * 2
+    # Events in flight on a fenced producer wait for the new one, their attempts kept.
+    store.enqueue(_outbox(), Event(type="x.y", key="b", topic="t", data={"i": 0}))
+    kafka.fenced = True
+    relay.drain_all(timeout=5)
+    ((status, attempts, error),) = [(e.status, e.attempts, e.error) for e in store.events("b")]
+    assert (status, attempts, error) == ("delivered", 0, None)
