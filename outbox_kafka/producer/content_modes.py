@@ -4,8 +4,10 @@
 :class:`~outbox_kafka.producer.envelope.EnvelopeTemplate`. *binary*: the value
 is the event's ``data`` alone, ``content-type`` is its ``datacontenttype``,
 and every other attribute is a ``ce_<name>`` header, UTF-8 text as the Kafka
-binding requires; the producer's own headers must be UTF-8 text too (readers
-decode every header), and are refused otherwise.
+binding requires: the library's attributes, then the producer's extension
+attributes in their canonical string encoding
+(:mod:`outbox_kafka.producer.extensions`). The producer's own headers must be
+UTF-8 text too (readers decode every header), and are refused otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from outbox_kafka.errors import ConfigurationError, InvalidHeaders
+from outbox_kafka.producer.extensions import EncodedValue, header_text
 from outbox_kafka.stored_headers import headers_size, headers_to_json
 
 ContentMode = Literal["structured", "binary"]
@@ -48,13 +51,16 @@ def binary_message(
     data_json: str,
     own: list[tuple[str, bytes]],
     id_header: str | None = None,
+    extensions: tuple[tuple[str, EncodedValue], ...] = (),
 ) -> tuple[bytes, list[tuple[str, bytes]], str, int]:
     """The value, headers, stored headers and header bytes of an event in binary mode.
 
     ``envelope`` holds the event's attributes (checked); ``data_json`` its
-    payload as JSON text. A W3C ``traceparent`` header follows the ``ce_``
-    headers when the event has one, for tracing tools that read that header,
-    then the id under ``id_header`` when the outbox has one.
+    payload as JSON text; ``extensions`` the producer's extension attributes
+    (checked: none is an attribute the library sets, so no ``ce_`` header
+    comes twice). A W3C ``traceparent`` header follows the ``ce_`` headers
+    when the event has one, for tracing tools that read that header, then the
+    id under ``id_header`` when the outbox has one.
     """
     headers: list[tuple[str, bytes]] = [
         ("content-type", str(envelope["datacontenttype"]).encode("utf-8"))
@@ -63,6 +69,8 @@ def binary_message(
         value = envelope.get(name)
         if value is not None:
             headers.append((f"ce_{name}", str(value).encode("utf-8")))
+    for name, extension in extensions:
+        headers.append((f"ce_{name}", header_text(extension).encode("utf-8")))
     if envelope.get("traceparent") is not None:
         headers.append(("traceparent", str(envelope["traceparent"]).encode("ascii")))
     if id_header is not None:

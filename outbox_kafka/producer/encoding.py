@@ -26,6 +26,7 @@ from outbox_kafka.producer.checks import (
 from outbox_kafka.producer.content_modes import ContentMode, binary_message
 from outbox_kafka.producer.data import DataEncoder, JsonDefault
 from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, structured_headers
+from outbox_kafka.producer.extensions import check_extensions
 from outbox_kafka.producer.ids import uuid7
 from outbox_kafka.producer.trace_context import current_traceparent
 from outbox_kafka.validation import CompiledSchema, EventSchemas, envelope_schema
@@ -159,6 +160,7 @@ class EventEncoder:
         )
         delay = None if event.delay is None else check_delay(event.delay, available_at)
         own_headers = check_headers(event.headers, self.id_header)
+        extensions = () if event.extensions is None else check_extensions(event.extensions)
 
         data_json = self._data.encode(event.data)
         if kind.unknown and self.schemas is not None:
@@ -168,7 +170,7 @@ class EventEncoder:
                 "(pass allow_unknown_types=True to accept it)",
             )
         envelope, value = kind.template.envelope(
-            id_text, event.key, data_json, subject, traceparent
+            id_text, event.key, data_json, subject, traceparent, extensions
         )
         if kind.schema is not None:
             problem = kind.schema.payload_problem(event.data, data_json)
@@ -180,7 +182,7 @@ class EventEncoder:
             raise EnvelopeInvalid("envelope", problem)
         if self.content_mode == "binary":
             value, headers, stored_headers, header_bytes = binary_message(
-                envelope, data_json, own_headers, self.id_header
+                envelope, data_json, own_headers, self.id_header, extensions
             )
         else:
             headers, stored_headers, header_bytes = structured_headers(

@@ -6,7 +6,9 @@ headers are ``content-type: application/cloudevents+json``, the event id under
 the outbox's ``id_header`` when it has one, ``traceparent`` when the event has
 one, then the producer's own. No ``ce_`` header: a reader that finds one takes
 the message for binary mode. Its attributes arrive checked
-(:mod:`outbox_kafka.producer.checks`).
+(:mod:`outbox_kafka.producer.checks`), the producer's extension attributes
+encoded (:mod:`outbox_kafka.producer.extensions`); they follow the library's
+own attributes in the envelope, in the order given.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from outbox_kafka.errors import InvalidData
+from outbox_kafka.producer.extensions import EncodedValue
 from outbox_kafka.stored_headers import (
     CONTENT_TYPE_HEADER,
     STORED_CONTENT_TYPE,
@@ -108,11 +111,14 @@ class EnvelopeTemplate:
         data_json: str,
         subject: str | None = None,
         traceparent: str | None = None,
+        extensions: tuple[tuple[str, EncodedValue], ...] = (),
     ) -> tuple[dict[str, Any], bytes]:
         """The envelope's attributes as a dict (for validation) and the bytes to send.
 
         ``event_id`` is the id's text form; ``data_json`` is the already
-        serialised payload, spliced in rather than serialised a second time.
+        serialised payload, spliced in rather than serialised a second time;
+        ``extensions`` are checked (``check_extensions``): names of lower-case
+        letters and digits, none the library sets.
         """
         now = _rfc3339_now()
         if type(key) is not str:
@@ -138,6 +144,9 @@ class EnvelopeTemplate:
             traceparent = _exact_str(traceparent)
             envelope["traceparent"] = traceparent
             optional += f',"traceparent":{_json_string(traceparent)}'
+        for name, extension in extensions:
+            envelope[name] = extension
+            optional += f',"{name}":{_json_value(extension)}'
         # The id (hex and dashes) and the time (digits and punctuation) need no escaping.
         text = (
             f"{_ENVELOPE_HEAD}{event_id}{self._after_id}{now}{self._after_time}"
@@ -181,6 +190,17 @@ def structured_headers(
         stored += "," + ",".join(stored_header(name, value) for name, value in own)
         size += headers_size(own)
     return headers, stored + "]", size
+
+
+def _json_value(value: EncodedValue) -> str:
+    """An extension's value as JSON: ``true``/``false``, a number, or a string."""
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if type(value) is int:
+        return str(value)
+    return _json_string(str(value))
 
 
 def _exact_str(text: str) -> str:

@@ -25,6 +25,7 @@ from outbox_kafka.producer.content_modes import ContentMode, check_content_mode
 from outbox_kafka.producer.data import JsonDefault
 from outbox_kafka.producer.encoding import EventEncoder
 from outbox_kafka.producer.envelope import EncodedEvent
+from outbox_kafka.producer.extensions import ExtensionValue
 from outbox_kafka.producer.metrics import (
     counts_async_enqueue_failures,
     counts_enqueue_failures,
@@ -39,7 +40,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Event:
-    """One event for :meth:`Outbox.enqueue_many`; fields as in :meth:`Outbox.enqueue`."""
+    """One event for :meth:`Outbox.enqueue_many`; fields as in :meth:`Outbox.enqueue`.
+
+    ``extensions`` maps CloudEvents extension attribute names to values
+    (:mod:`outbox_kafka.producer.extensions`): they are checked with the rest
+    of the event when it is encoded, before anything is written.
+    """
 
     type: str
     key: str
@@ -52,6 +58,7 @@ class Event:
     subject: str | None = None
     traceparent: str | None = None
     delay: timedelta | None = None
+    extensions: Mapping[str, ExtensionValue] | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,7 @@ class Outbox:
         subject: str | None = None,
         traceparent: str | None = None,
         delay: timedelta | None = None,
+        extensions: Mapping[str, ExtensionValue] | None = None,
     ) -> uuid.UUID:
         """Write one event in the caller's transaction and return its id.
 
@@ -200,6 +208,7 @@ class Outbox:
             subject=subject,
             traceparent=traceparent,
             delay=delay,
+            extensions=extensions,
         )
         return self._writer.write(conn, [self._encoder.encode(event)], event_id is not None)[0]
 
@@ -219,6 +228,7 @@ class Outbox:
         subject: str | None = None,
         traceparent: str | None = None,
         delay: timedelta | None = None,
+        extensions: Mapping[str, ExtensionValue] | None = None,
     ) -> uuid.UUID:
         """:meth:`enqueue` from async code, on an ``AsyncConnection`` or ``AsyncSession``.
 
@@ -238,6 +248,7 @@ class Outbox:
             subject=subject,
             traceparent=traceparent,
             delay=delay,
+            extensions=extensions,
         )
         encoded = [self._encoder.encode(event)]
         return (await self._writer.write_async(conn, encoded, event_id is not None))[0]
@@ -368,6 +379,7 @@ def enqueue(
     subject: str | None = None,
     traceparent: str | None = None,
     delay: timedelta | None = None,
+    extensions: Mapping[str, ExtensionValue] | None = None,
 ) -> uuid.UUID:
     """:meth:`Outbox.enqueue` on the default outbox."""
     return default_outbox().enqueue(
@@ -383,6 +395,7 @@ def enqueue(
         subject=subject,
         traceparent=traceparent,
         delay=delay,
+        extensions=extensions,
     )
 
 
@@ -405,6 +418,7 @@ async def enqueue_async(
     subject: str | None = None,
     traceparent: str | None = None,
     delay: timedelta | None = None,
+    extensions: Mapping[str, ExtensionValue] | None = None,
 ) -> uuid.UUID:
     """:meth:`Outbox.enqueue_async` on the default outbox."""
     return await default_outbox().enqueue_async(
@@ -420,6 +434,7 @@ async def enqueue_async(
         subject=subject,
         traceparent=traceparent,
         delay=delay,
+        extensions=extensions,
     )
 
 
