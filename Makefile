@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint format test chaos soak demo bench up down clean
+.PHONY: install lint format test chaos soak demo services bench up down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ soak: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/outbox-kafka demo
+
+# PostgreSQL and a Kafka-protocol broker on 127.0.0.1:55432 and :59092 until Ctrl-C;
+# prints (and writes to .env.outbox) the OUTBOX_* variables to export.
+services: $(STAMP)
+	$(BIN)/outbox-kafka dev --env-file .env.outbox $(DEV_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -11,6 +11,7 @@ from outbox_kafka.logs import redact
 
 from .check_command import add_check_parser
 from .demo_command import add_demo_parser
+from .dev_command import add_dev_parser
 from .migrate_command import add_migrate_parser
 from .operator_commands import add_operator_parsers
 from .options import Handler
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_migrate_parser(sub)
     add_relay_parser(sub)
     add_demo_parser(sub)
+    add_dev_parser(sub)
     add_operator_parsers(sub)
     add_check_parser(sub)
     return parser

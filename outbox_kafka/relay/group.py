@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from prometheus_client import CollectorRegistry
 
 from outbox_kafka.relay.loop import Relay
-from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.metrics import ProducerMetrics, RelayMetrics
 from outbox_kafka.relay.outboxes import OutboxTarget, settings_for
 from outbox_kafka.relay.publisher import Publisher
 from outbox_kafka.relay.reports import DrainResult
@@ -31,15 +31,23 @@ class RelayGroup:
 
     ``relays`` maps each outbox's name to its loop; ``registries`` to the
     registry of its metrics (served together, labelled by outbox, by
-    :func:`~outbox_kafka.relay.outbox_metrics.outbox_labelled_registry`).
+    :func:`~outbox_kafka.relay.outbox_metrics.outbox_labelled_registry`);
+    ``shared_registry`` holds the shared producer's gauges, served unlabelled.
     """
 
     def __init__(self, shared: RelaySettings, targets: list[OutboxTarget]) -> None:
         if not targets:
             raise ValueError("a relay group needs at least one outbox")
         self.settings = shared
-        self.metrics = {t.name: RelayMetrics(CollectorRegistry()) for t in targets}
-        self.publisher = Publisher.for_settings(shared, self._observe_librdkafka_stats)
+        #: The one producer's gauges: one set, not one per outbox.
+        self.producer_metrics = ProducerMetrics(CollectorRegistry())
+        self.metrics = {
+            t.name: RelayMetrics(CollectorRegistry(), producer=self.producer_metrics)
+            for t in targets
+        }
+        self.publisher = Publisher.for_settings(
+            shared, self.producer_metrics.observe_librdkafka_stats
+        )
         self.relays: dict[str, Relay] = {}
         try:
             for target in targets:
@@ -56,10 +64,10 @@ class RelayGroup:
     def registries(self) -> Mapping[str, CollectorRegistry]:
         return {name: metrics.registry for name, metrics in self.metrics.items()}
 
-    def _observe_librdkafka_stats(self, payload: str) -> None:
-        # The producer is every outbox's: its gauges read the same under each.
-        for metrics in self.metrics.values():
-            metrics.observe_librdkafka_stats(payload)
+    @property
+    def shared_registry(self) -> CollectorRegistry:
+        """The registry of what the outboxes share: the producer's gauges."""
+        return self.producer_metrics.registry
 
     def last_cycle_at(self) -> float | None:
         """When the loop that has gone longest without a cycle last completed one.

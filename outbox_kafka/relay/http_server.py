@@ -314,7 +314,7 @@ class ObservabilityServer:
         """A server for a multi-outbox relay: every outbox's metrics, labelled ``outbox``."""
         checks = HealthChecks.for_group(group)
         try:
-            registry = outbox_labelled_registry(group.registries)
+            registry = outbox_labelled_registry(group.registries, group.shared_registry)
             return cls(registry, checks, host=host, port=port, limits=limits)
         except BaseException:
             checks.close()

@@ -19,10 +19,56 @@ _BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class RelayMetrics:
-    """Every metric the relay exports; pass a registry to keep tests isolated."""
+class ProducerMetrics:
+    """The Kafka producer's librdkafka statistics, as gauges: one set per producer.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    A relay serving several outboxes has one producer for all of them, so one
+    set of these, on a registry of its own and served without an ``outbox``
+    label; a relay with one outbox keeps them on its own registry.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.queue_messages = Gauge(
+            "outbox_kafka_producer_queue_messages",
+            "Messages in the producer's local queue (librdkafka statistics).",
+            registry=registry,
+        )
+        self.rtt_seconds = Gauge(
+            "outbox_kafka_broker_rtt_seconds",
+            "Average broker round-trip time (librdkafka statistics).",
+            ["broker"],
+            registry=registry,
+        )
+
+    def observe_librdkafka_stats(self, payload: str) -> None:
+        """The producer's ``stats_cb``: copy a few librdkafka statistics into gauges."""
+        try:
+            stats = json.loads(payload)
+            self.queue_messages.set(float(stats.get("msg_cnt", 0)))
+            for broker in stats.get("brokers", {}).values():
+                rtt = broker.get("rtt", {})
+                if broker.get("nodeid", -1) >= 0 and rtt.get("cnt", 0):
+                    self.rtt_seconds.labels(broker=str(broker["nodeid"])).set(
+                        rtt.get("avg", 0) / 1_000_000
+                    )
+        except (ValueError, TypeError, AttributeError) as exc:
+            log.debug("unreadable librdkafka statistics: %s", exc)
+
+
+class RelayMetrics:
+    """Every metric the relay exports; pass a registry to keep tests isolated.
+
+    ``producer``: the gauges of a producer shared with other relay loops
+    (kept on its own registry); by default the loop's own, on ``registry``.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        producer: ProducerMetrics | None = None,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.published = Counter(
@@ -101,17 +147,7 @@ class RelayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.kafka_queue_messages = Gauge(
-            "outbox_kafka_producer_queue_messages",
-            "Messages in the producer's local queue (librdkafka statistics).",
-            registry=r,
-        )
-        self.kafka_rtt_seconds = Gauge(
-            "outbox_kafka_broker_rtt_seconds",
-            "Average broker round-trip time (librdkafka statistics).",
-            ["broker"],
-            registry=r,
-        )
+        self.producer = producer if producer is not None else ProducerMetrics(r)
         self.pending_events = Gauge(
             "outbox_pending_events",
             "Events waiting to be published, from the key queue (sampled).",
@@ -173,14 +209,4 @@ class RelayMetrics:
 
     def observe_librdkafka_stats(self, payload: str) -> None:
         """The producer's ``stats_cb``: copy a few librdkafka statistics into gauges."""
-        try:
-            stats = json.loads(payload)
-            self.kafka_queue_messages.set(float(stats.get("msg_cnt", 0)))
-            for broker in stats.get("brokers", {}).values():
-                rtt = broker.get("rtt", {})
-                if broker.get("nodeid", -1) >= 0 and rtt.get("cnt", 0):
-                    self.kafka_rtt_seconds.labels(broker=str(broker["nodeid"])).set(
-                        rtt.get("avg", 0) / 1_000_000
-                    )
-        except (ValueError, TypeError, AttributeError) as exc:
-            log.debug("unreadable librdkafka statistics: %s", exc)
+        self.producer.observe_librdkafka_stats(payload)

@@ -159,6 +159,8 @@ class Publisher:
         #: Guards replacing the producer and making the admin client: several
         #: relay loops (one per outbox) may share this publisher.
         self._lock = threading.Lock()
+        #: Held while a topic unknown so far is looked up (and created).
+        self._topic_lock = threading.Lock()
         self._producer = self._new_producer()
         self._admin: AdminClient | None = None
 
@@ -196,6 +198,14 @@ class Publisher:
         """``(verdict, reason)`` if messages to ``topic`` cannot be sent now."""
         if topic in self._known_topics:
             return None
+        # One loop at a time looks a topic up: loops that find it missing together
+        # would each create it, and each log that they did.
+        with self._topic_lock:
+            return self._look_up(topic)
+
+    def _look_up(self, topic: str) -> Problem | None:
+        if topic in self._known_topics:
+            return None  # another loop found it, or created it, meanwhile
         now = time.monotonic()
         missing = self._missing_topics.get(topic)
         if missing is not None and now < missing[1]:
@@ -251,10 +261,17 @@ class Publisher:
                     Verdict.HELD,
                     f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc} (its events wait)",
                 )
-        log.info(
-            "created topic",
-            extra={"action": "create_topic", "topic": topic, "partitions": self._create_partitions},
-        )
+            # Another process created it first: it is there, and that one logged it.
+            log.debug("topic already exists", extra={"action": "topic_exists", "topic": topic})
+        else:
+            log.info(
+                "created topic",
+                extra={
+                    "action": "create_topic",
+                    "topic": topic,
+                    "partitions": self._create_partitions,
+                },
+            )
         self._known_topics.add(topic)
         return None
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -25,6 +28,7 @@ from tests.relay_support import (
     seq_events,
     topic_outbox,
 )
+from tests.support import LogRecords
 
 KEYS = ["k-a", "k-b", "k-c", "k-d"]
 EVENTS = 120
@@ -137,9 +141,11 @@ def test_a_relay_group_drains_three_outboxes_in_per_key_order_with_labelled_metr
 
 
 def group_exposition(server: ObservabilityServer) -> str:
+    """A scrape of ``server``'s /metrics (started here at the first scrape)."""
     import urllib.request
 
-    server.start()
+    if server._thread is None:
+        server.start()
     with urllib.request.urlopen(server.url("/metrics"), timeout=10) as answer:
         return str(answer.read().decode())
 
@@ -224,3 +230,82 @@ def test_the_outboxes_of_a_file_keep_their_own_tables(
         "postgresql://h/db",
         three_outboxes.url,
     ]
+
+
+def test_a_topic_two_outboxes_send_to_is_created_and_logged_once(
+    three_outboxes: Outboxes,
+    kafka_bootstrap: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both loops find the topic missing at once; one creates it, neither logs it twice."""
+    import uuid
+
+    monkeypatch.setenv("SECOND_DATABASE_URL", three_outboxes.url)
+    topic = f"created-{uuid.uuid4().hex[:10]}"
+    _fill(three_outboxes, dict.fromkeys(three_outboxes.engines, topic))
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    targets = load_outboxes(
+        three_outboxes.file, database_url=first_url, table="outbox", db_schema="public"
+    )
+    logs = LogRecords()
+    publisher_log = logging.getLogger("outbox_kafka.publisher")
+    publisher_log.addHandler(logs)
+    publisher_log.setLevel(logging.INFO)
+    group = RelayGroup(make_settings(first_url, kafka_bootstrap, create_topics=2), targets)
+    try:
+        results = group.drain_all(60)
+    finally:
+        group.close()
+        publisher_log.removeHandler(logs)
+    assert all(r.complete for r in results.values()), results
+    assert [a["topic"] for a in logs.actions("create_topic")] == [topic]
+    assert len(consume_all(kafka_bootstrap, topic, 3 * EVENTS)) == 3 * EVENTS
+
+
+def test_the_shared_producer_gauges_are_served_once_without_an_outbox_label(
+    three_outboxes: Outboxes,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scrape shows the one producer's statistics once: summing over outboxes adds nothing."""
+    monkeypatch.setenv("SECOND_DATABASE_URL", three_outboxes.url)
+    topics = {name: new_topic(partitions=2) for name in three_outboxes.engines}
+    _fill(three_outboxes, topics)
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    targets = load_outboxes(
+        three_outboxes.file, database_url=first_url, table="outbox", db_schema="public"
+    )
+    settings = make_settings(
+        first_url, kafka_bootstrap, kafka_config={"statistics.interval.ms": "200"}
+    )
+    group = RelayGroup(settings, targets)
+    try:
+        assert all(r.complete for r in group.drain_all(60).values())
+        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0)
+        try:
+            deadline = time.monotonic() + 10
+            while True:  # until a statistics report has come since the sends
+                group.publisher.poll(0.1)
+                samples = _families(group_exposition(server))
+                if samples.get("outbox_kafka_broker_rtt_seconds") or time.monotonic() > deadline:
+                    break
+        finally:
+            server.close()
+    finally:
+        group.close()
+    queue = samples["outbox_kafka_producer_queue_messages"]
+    assert [s.labels for s in queue] == [{}]
+    rtt = samples["outbox_kafka_broker_rtt_seconds"]
+    assert rtt and all(set(s.labels) == {"broker"} for s in rtt), rtt
+    assert len({s.labels["broker"] for s in rtt}) == len(rtt)
+    # The outboxes' own metrics keep their label.
+    outboxes = {s.labels["outbox"] for s in samples["outbox_events_published"]}
+    assert outboxes == set(topics)
+
+
+def _families(exposition: str) -> dict[str, list[Any]]:
+    return {
+        family.name: list(family.samples)
+        for family in text_string_to_metric_families(exposition)
+    }
