@@ -306,6 +306,5 @@ def test_the_shared_producer_gauges_are_served_once_without_an_outbox_label(
 
 def _families(exposition: str) -> dict[str, list[Any]]:
     return {
-        family.name: list(family.samples)
-        for family in text_string_to_metric_families(exposition)
+        family.name: list(family.samples) for family in text_string_to_metric_families(exposition)
     }
