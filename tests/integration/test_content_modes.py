@@ -1,10 +1,12 @@
 """The CloudEvents content modes: delivered messages read back by the CloudEvents SDK (core and
-v1 APIs), a reader following the Kafka binding's content-type rule, and kafka-python."""
+v1 APIs), a reader following the Kafka binding's content-type rule, and kafka-python; the
+producer's extension attributes read back by the SDK in both modes."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from cloudevents.core.formats.json import JSONFormat
 from cloudevents.v1 import kafka as v1_kafka
 from kafka import KafkaConsumer
 
-from outbox_kafka import Event, InvalidHeaders, Outbox
+from outbox_kafka import Event, InvalidAttribute, InvalidHeaders, Outbox
 from outbox_kafka.relay.loop import Relay
 from tests.relay_support import Record, consume_all, make_settings
 from tests.support import EVENT_SCHEMAS, ORDER_CREATED
@@ -278,3 +280,130 @@ def test_structured_mode_headers(outbox: Outbox) -> None:
         ("traceparent", TRACEPARENT.encode()),
         ("tenant", b"acme"),
     ]
+
+
+#: One extension attribute of each CloudEvents type, as enqueued.
+EXTENSIONS: dict[str, Any] = {
+    "tenant": "acme",
+    "homepage": "https://shop.example/orders?id=o-1",
+    "retries": 3,
+    "urgent": True,
+    "signature": b"\x00\xff\x10",
+    "due": datetime(2026, 3, 4, 5, 6, 7, tzinfo=timezone(timedelta(hours=2))),
+}
+#: As every reader of the structured mode gets them: Boolean and Integer as JSON's own.
+EXTENSIONS_STRUCTURED: dict[str, Any] = {
+    "tenant": "acme",
+    "homepage": "https://shop.example/orders?id=o-1",
+    "retries": 3,
+    "urgent": True,
+    "signature": "AP8Q",
+    "due": "2026-03-04T03:06:07.000000Z",
+}
+#: As every reader of the binary mode gets them: the canonical string encoding of each.
+EXTENSIONS_BINARY = EXTENSIONS_STRUCTURED | {"retries": "3", "urgent": "true"}
+
+
+@pytest.mark.parametrize("mode", ["structured", "binary"])
+def test_extension_attributes_are_read_back_by_the_sdk(
+    mode: str,
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+) -> None:
+    """Extensions enqueued (one call, and a batch) go through the relay and the broker and
+    come back from the SDK's Kafka readers, beside the library's own extensions."""
+    topic = new_topic(partitions=1)
+    outbox = MODES[mode]
+    structured = mode == "structured"
+    with engine.begin() as conn:
+        first = outbox.enqueue(
+            conn,
+            type="order.created",
+            key="o-1",
+            data=ORDER_CREATED,
+            topic=topic,
+            traceparent=TRACEPARENT,
+            extensions=EXTENSIONS,
+        )
+        second = outbox.enqueue_many(
+            conn,
+            [
+                Event(
+                    type="order.created",
+                    key="o-1",
+                    data=ORDER_CREATED,
+                    topic=topic,
+                    extensions={"tenant": "globex", "retries": -(2**31)},
+                )
+            ],
+        )[0]
+    relay = Relay(make_settings(database_url, kafka_bootstrap))
+    try:
+        relay.drain()
+    finally:
+        relay.close()
+    records = {r.event_id: r for r in consume_all(kafka_bootstrap, topic, 2)}
+    assert set(records) == {str(first), str(second)}
+
+    expected = {
+        str(first): (EXTENSIONS_STRUCTURED if structured else EXTENSIONS_BINARY)
+        | {"traceparent": TRACEPARENT, "partitionkey": "o-1"},
+        str(second): {"tenant": "globex", "partitionkey": "o-1"}
+        | ({"retries": -2147483648} if structured else {"retries": "-2147483648"}),
+    }
+    for event_id, record in records.items():
+        wanted = expected[event_id]
+        names = set(wanted)
+        message = core_kafka.KafkaMessage(
+            headers=record.headers, key=record.key_bytes, value=record.raw
+        )
+        own_mode = core_kafka.from_structured if structured else core_kafka.from_binary
+        for read in (core_kafka.from_kafka, own_mode):
+            event = read(message, JSONFormat())
+            assert {n: event.get_extension(n) for n in names} == wanted, read.__name__
+            assert event.get_data() == ORDER_CREATED
+        if structured:
+            # No ce_ header: the extensions are members of the envelope alone.
+            assert not [n for n in record.headers if n.startswith("ce_")]
+            v1_event = v1_kafka.from_structured(
+                v1_kafka.KafkaMessage(headers={}, key=record.key, value=record.raw)
+            )
+        else:
+            assert {n: record.headers[f"ce_{n}"].decode() for n in names} == wanted
+            v1_event = v1_kafka.from_binary(
+                v1_kafka.KafkaMessage(headers=record.headers, key=record.key, value=record.raw)
+            )
+        assert {n: v1_event[n] for n in names} == wanted
+    # The W3C header is still the event's traceparent, not overwritten by anything.
+    assert records[str(first)].headers["traceparent"] == TRACEPARENT.encode()
+
+
+def test_a_bad_extension_writes_nothing_and_names_the_event(
+    outbox: Outbox, engine: sa.Engine
+) -> None:
+    with engine.begin() as conn:
+        with pytest.raises(InvalidAttribute, match=r"^event 1: extensions: 'Tenant' is not"):
+            outbox.enqueue_many(
+                conn,
+                [
+                    Event(type="order.created", key="o-1", data=ORDER_CREATED),
+                    {
+                        "type": "order.created",
+                        "key": "o-1",
+                        "data": ORDER_CREATED,
+                        "extensions": {"Tenant": "acme"},
+                    },
+                ],
+            )
+        with pytest.raises(InvalidAttribute, match="'count': 2147483648 is outside"):
+            outbox.enqueue(
+                conn,
+                type="order.created",
+                key="o-1",
+                data=ORDER_CREATED,
+                extensions={"count": 2**31},
+            )
+        # The transaction is still usable, and holds no event.
+        assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 0
