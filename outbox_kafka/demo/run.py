@@ -9,6 +9,7 @@ checks per-key order. Everything is removed at the end, also on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -18,6 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, TopicPartition
@@ -190,91 +192,130 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+@dataclass
+class _Outcome:
+    """What one demo run measured, kept after its Kafka clients are gone."""
+
+    tally: _Tally
+    elapsed: float
+    latency_row: tuple[Any, ...]
+    status: dict[str, int]
+    probes: dict[str, int]
+    metrics_url: str
+
+
+def _create_topic(bootstrap: str) -> None:
+    # The admin client ends with this call, long before the broker stops: a client
+    # still connected then would log the broker's going away as a failure.
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(timeout=30)
+
+
+def _run_orders(pg_url: str, bootstrap: str, orders: int, writers: int) -> _Outcome | None:
+    """The orders service, the relay and the consumer against running services;
+    ``None`` when interrupted. Every Kafka client it makes is gone when it returns."""
+    engine = make_engine(pg_url, pool_size=writers + 2)
+    migrate(engine)
+    _ORDERS_TABLE.metadata.create_all(engine)
+    _create_topic(bootstrap)
+
+    settings = RelaySettings(database_url=pg_url, bootstrap_servers=bootstrap, poll_interval=0.2)
+    relay = Relay(settings)
+    server = ObservabilityServer.for_relay(relay, host="127.0.0.1", port=0).start()
+    metrics_url = server.url("/metrics")
+    print(f"  relay metrics and health: {metrics_url}, /healthz, /readyz")
+    relay_thread = threading.Thread(target=relay.run, name="relay", daemon=True)
+    relay_thread.start()
+
+    outbox = Outbox(
+        schema_dir=Path(shipped_schema_dir()) / "events",
+        routes={"order.*": TOPIC},
+        source="//demo/orders-service",
+    )
+    tally = _Tally()
+    expected = orders * len(STEPS)
+    stop = threading.Event()
+    consumer = threading.Thread(
+        target=_consume, args=(bootstrap, expected, tally, stop), daemon=True
+    )
+    consumer.start()
+    ids = [f"order-{n:05d}" for n in range(orders)]
+    started = time.monotonic()
+    producers = [
+        threading.Thread(
+            target=_orders_service,
+            args=(engine, outbox, ids[i::writers], tally, i),
+            daemon=True,
+        )
+        for i in range(writers)
+    ]
+    for thread in producers:
+        thread.start()
+    try:
+        deadline = started + 120
+        while tally.received < expected and time.monotonic() < deadline:
+            time.sleep(1.0)
+            with tally.lock:
+                written, received = len(tally.committed_at), tally.received
+            clock = time.monotonic() - started
+            print(f"  {clock:5.1f} s  committed {written:5d}  consumed {received:5d}/{expected}")
+        # What a probe of the running relay sees once the work is done.
+        probes = {path: _http_status(server.url(path)) for path in ("/healthz", "/readyz")}
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up")
+        return None
+    finally:
+        stop.set()
+        for thread in producers:
+            thread.join(timeout=5)
+        consumer.join(timeout=5)
+        relay.stop()
+        relay_thread.join(timeout=15)
+        server.close()
+        engine.dispose()
+    elapsed = time.monotonic() - started
+    with engine.connect() as conn:
+        latency_row = tuple(conn.execute(_LATENCY_SQL).one())
+        status = {row[0]: row[1] for row in conn.execute(_STATUS_SQL)}
+    engine.dispose()
+    return _Outcome(tally, elapsed, latency_row, status, probes, metrics_url)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     orders = int(getattr(args, "orders", 400))
     writers = int(getattr(args, "writers", 4))
     configure_logging("text", "WARNING")
     print("outbox-kafka demo: starting embedded PostgreSQL and the embedded Kafka-protocol broker")
     with embedded_stack() as (pg, broker, _base):
-        engine = make_engine(pg.url, pool_size=writers + 2)
-        migrate(engine)
-        _ORDERS_TABLE.metadata.create_all(engine)
-        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-        admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(timeout=30)
-
-        settings = RelaySettings(
-            database_url=pg.url, bootstrap_servers=broker.bootstrap, poll_interval=0.2
-        )
-        relay = Relay(settings)
-        server = ObservabilityServer.for_relay(relay, host="127.0.0.1", port=0).start()
-        print(f"  relay metrics and health: {server.url('/metrics')}, /healthz, /readyz")
-        relay_thread = threading.Thread(target=relay.run, name="relay", daemon=True)
-        relay_thread.start()
-
-        outbox = Outbox(
-            schema_dir=Path(shipped_schema_dir()) / "events",
-            routes={"order.*": TOPIC},
-            source="//demo/orders-service",
-        )
-        tally = _Tally()
-        expected = orders * len(STEPS)
-        stop = threading.Event()
-        consumer = threading.Thread(
-            target=_consume, args=(broker.bootstrap, expected, tally, stop), daemon=True
-        )
-        consumer.start()
-        ids = [f"order-{n:05d}" for n in range(orders)]
-        started = time.monotonic()
-        producers = [
-            threading.Thread(
-                target=_orders_service,
-                args=(engine, outbox, ids[i::writers], tally, i),
-                daemon=True,
-            )
-            for i in range(writers)
-        ]
-        for thread in producers:
-            thread.start()
         try:
-            deadline = started + 120
-            while tally.received < expected and time.monotonic() < deadline:
-                time.sleep(1.0)
-                with tally.lock:
-                    written, received = len(tally.committed_at), tally.received
-                clock = time.monotonic() - started
-                print(
-                    f"  {clock:5.1f} s  committed {written:5d}  consumed {received:5d}/{expected}"
-                )
-            # What a probe of the running relay sees once the work is done.
-            probes = {path: _http_status(server.url(path)) for path in ("/healthz", "/readyz")}
-        except KeyboardInterrupt:
-            print("interrupted: cleaning up")
-            stop.set()
-            relay.stop()
-            return 130
+            outcome = _run_orders(pg.url, broker.bootstrap, orders, writers)
         finally:
-            stop.set()
-            for thread in producers:
-                thread.join(timeout=5)
-            consumer.join(timeout=5)
-            relay.stop()
-            relay_thread.join(timeout=15)
-            server.close()
-            engine.dispose()
-        elapsed = time.monotonic() - started
-        with engine.connect() as conn:
-            latency_row = conn.execute(_LATENCY_SQL).one()
-            status = {row[0]: row[1] for row in conn.execute(_STATUS_SQL)}
+            # The relay's clients go with it; collected here, before the broker stops,
+            # they leave quietly instead of reporting a lost connection.
+            gc.collect()
+    if outcome is None:
+        return 130
+    _print_summary(outcome, orders, writers)
+    return 0 if outcome.tally.received == orders * len(STEPS) and _in_order(outcome) else 1
 
-    ok = tally.received == expected and tally.order_violations == 0
+
+def _in_order(outcome: _Outcome) -> bool:
+    return outcome.tally.order_violations == 0
+
+
+def _print_summary(outcome: _Outcome, orders: int, writers: int) -> None:
+    tally, expected = outcome.tally, orders * len(STEPS)
+    ok = tally.received == expected and _in_order(outcome)
     lat = tally.latencies
     print()
     print("outbox-kafka demo summary")
     print(f"  orders                {orders} ({writers} writers, {len(STEPS)} events each)")
     print(f"  events consumed       {tally.received}/{expected} (duplicates {tally.duplicates})")
-    print(f"  outbox rows           {status}")
-    print(f"  throughput            {tally.received / elapsed:.0f} events/s over {elapsed:.1f} s")
-    (p50, p90, p99), worst = latency_row[0] or (float("nan"),) * 3, latency_row[1] or float("nan")
+    print(f"  outbox rows           {outcome.status}")
+    throughput = tally.received / outcome.elapsed
+    print(f"  throughput            {throughput:.0f} events/s over {outcome.elapsed:.1f} s")
+    row = outcome.latency_row
+    (p50, p90, p99), worst = row[0] or (float("nan"),) * 3, row[1] or float("nan")
     print(
         "  write->ack (relay)    "
         f"p50 {p50 * 1000:.1f} ms  p90 {p90 * 1000:.1f} ms  p99 {p99 * 1000:.1f} ms  "
@@ -288,7 +329,7 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     verdict = "OK" if tally.order_violations == 0 else f"{tally.order_violations} VIOLATIONS"
     print(f"  per-key order         {verdict}")
-    print(f"  metrics were served   {server.url('/metrics')} (also /healthz, /readyz)")
-    print("  health at the end     " + "  ".join(f"{p} {code}" for p, code in probes.items()))
+    print(f"  metrics were served   {outcome.metrics_url} (also /healthz, /readyz)")
+    health = "  ".join(f"{path} {code}" for path, code in outcome.probes.items())
+    print(f"  health at the end     {health}")
     print(f"  result                {'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
