@@ -31,6 +31,7 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from outbox_kafka.errors import UnsafeConnection
 from outbox_kafka.producer.checks import HeadersInput
 from outbox_kafka.producer.envelope import EncodedEvent
+from outbox_kafka.producer.extensions import ExtensionValue
 from outbox_kafka.producer.outbox import Event, Outbox, default_outbox
 from outbox_kafka.producer.writing import EnqueueFunctions, duplicate_id_error
 
@@ -50,6 +51,7 @@ def enqueue(
     subject: str | None = None,
     traceparent: str | None = None,
     delay: timedelta | None = None,
+    extensions: Mapping[str, ExtensionValue] | None = None,
     using: str = "default",
     outbox: Outbox | None = None,
 ) -> uuid.UUID:
@@ -72,6 +74,7 @@ def enqueue(
         subject=subject,
         traceparent=traceparent,
         delay=delay,
+        extensions=extensions,
     )
     return _enqueue(default_outbox() if outbox is None else outbox, [event], using)[0]
 

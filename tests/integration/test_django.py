@@ -131,6 +131,17 @@ def test_an_order_and_its_event_commit_together_at_the_end_of_atomic(
     assert connection.is_usable()
 
 
+def test_extension_attributes_are_passed_on(
+    django_db: None, engine: sa.Engine, outbox: Outbox
+) -> None:
+    with transaction.atomic():
+        django_outbox.enqueue(
+            **valid_event(key="o-1"), extensions={"tenant": "acme"}, outbox=outbox
+        )
+    [event] = stored_events(engine)
+    assert json.loads(event["value"])["tenant"] == "acme"
+
+
 def test_an_exception_in_the_atomic_block_leaves_neither_order_nor_event(
     django_db: None, engine: sa.Engine, outbox: Outbox
 ) -> None:
