@@ -189,11 +189,10 @@ def cmd_check_consistency(args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     document: dict[str, Any] = {"checks": [r.as_dict() for r in results]}
-    text = reports.check_text(results)
+    text = reports.check_text(results, report)
     ok = report is not None and report.ok
     if report is not None:
         document["consistency"] = report.as_dict()
-        text += "\n" + reports.consistency_text(report)
     document["ok"] = ok
     reports.emit(args, document, text)
     return 0 if ok else 1

@@ -193,26 +193,36 @@ def purge_text(result: PurgeResult) -> str:
     )
 
 
-def check_text(results: Sequence[CheckResult]) -> str:
-    width = max((len(r.name) for r in results), default=0)
-    return "\n".join(
-        f"{'OK  ' if r.ok else 'FAIL'} {r.name.ljust(width)}  {r.detail}" for r in results
-    )
+def check_text(results: Sequence[CheckResult], consistency: ConsistencyReport | None = None) -> str:
+    """One OK/FAIL line per check, names padded so the details line up; with
+    ``consistency``, its line last and then each violation."""
+    rows = [(r.ok, r.name, r.detail) for r in results]
+    if consistency is not None:
+        rows.append((consistency.ok, "consistency", _consistency_detail(consistency)))
+    width = max((len(name) for _, name, _ in rows), default=0)
+    lines = [
+        f"{'OK  ' if ok else 'FAIL'} {name.ljust(width)}  {detail}" for ok, name, detail in rows
+    ]
+    if consistency is not None:
+        lines += _violation_lines(consistency)
+    return "\n".join(lines)
 
 
-def consistency_text(report: ConsistencyReport) -> str:
-    """The consistency check: one OK/FAIL line, then each violation."""
+def _consistency_detail(report: ConsistencyReport) -> str:
     if report.ok:
-        checks = ", ".join(CONSISTENCY_CHECKS)
-        return f"OK   consistency  {report.table}: no violations ({checks})"
-    lines = [f"FAIL consistency  {report.table}: {len(report.violations)} violations"]
+        return f"{report.table}: no violations ({', '.join(CONSISTENCY_CHECKS)})"
+    return f"{report.table}: {_n(len(report.violations), 'violation')}"
+
+
+def _violation_lines(report: ConsistencyReport) -> list[str]:
+    lines = []
     for v in report.violations:
         event = f" event {v.event_id}" if v.event_id else ""
         lines.append(f"     {v.check}: key {v.key!r}{event}: {v.detail}")
     for check, more in sorted(report.truncated.items()):
         if more:
             lines.append(f"     {check}: more than listed (raise --violation-limit)")
-    return "\n".join(lines)
+    return lines
 
 
 def emit(args: argparse.Namespace, document: dict[str, Any], text: str) -> None:
