@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -75,6 +76,8 @@ def start_postgres(base_dir: Path) -> EmbeddedPostgres:
 def port_is_free(port: int) -> bool:
     """Whether a server could listen on 127.0.0.1:``port`` now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the servers do: connections of a server just stopped (TIME_WAIT) do not count.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -128,14 +131,30 @@ class PostgresOnPort:
         pg = _postgres_module()
         with contextlib.suppress(Exception):
             pg.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.data_dir, user=self.user)
+        # pg_ctl can give up (a server still starting, a signal at the wrong moment):
+        # then signal the postmaster directly, fast shutdown first.
+        for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGKILL, 5.0)):
+            pid = _postmaster_pid(self.data_dir)
+            if pid is None or not postgres_running(self.data_dir):
+                return
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while postgres_running(self.data_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def _postmaster_pid(data_dir: Path) -> int | None:
+    try:
+        return int((data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (OSError, ValueError):
+        return None
 
 
 def postgres_running(data_dir: Path) -> bool:
     """Whether the ``postmaster.pid`` in ``data_dir`` names a live process."""
-    pid_file = data_dir / "postmaster.pid"
-    try:
-        pid = int(pid_file.read_text().split("\n", 1)[0])
-    except (OSError, ValueError):
+    pid = _postmaster_pid(data_dir)
+    if pid is None:
         return False
     try:
         os.kill(pid, 0)
@@ -270,6 +289,9 @@ def start_broker(
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        # Its own session: a Ctrl-C meant for the command that started it does not reach
+        # it, so that command stops it in its own order.
+        start_new_session=True,
     )
     try:
         wait_for_port("127.0.0.1", port, timeout=20)

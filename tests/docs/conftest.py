@@ -1,0 +1,93 @@
+"""The local stack the documentation pages run against, and the run and skip counts."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from outbox_kafka.database import normalise_url
+from outbox_kafka.demo.local_stack import StackSettings, start_local_stack
+
+
+@dataclass(frozen=True)
+class DocsStack:
+    """Where pages get their databases (``admin_url``) and their broker."""
+
+    admin_url: str
+    bootstrap: str
+
+
+@dataclass
+class PageCounts:
+    page: str
+    ran: int = 0
+    written: int = 0
+    shown: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+COUNTS: list[PageCounts] = []
+
+
+@pytest.fixture(scope="session")
+def docs_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DocsStack]:
+    """The tests' PostgreSQL and broker with OUTBOX_TEST_DATABASE_URL, else `outbox-kafka dev`'s."""
+    if os.environ.get("OUTBOX_TEST_DATABASE_URL"):
+        yield DocsStack(
+            admin_url=request.getfixturevalue("server_url"),
+            bootstrap=request.getfixturevalue("kafka_bootstrap"),
+        )
+        return
+    settings = StackSettings(
+        data_dir=tmp_path_factory.mktemp("docs-stack"), postgres_port=0, kafka_port=0
+    )
+    stack = start_local_stack(settings)
+    try:
+        yield DocsStack(
+            admin_url=normalise_url(stack.environment["OUTBOX_DATABASE_URL"]),
+            bootstrap=stack.environment["OUTBOX_KAFKA_BOOTSTRAP_SERVERS"],
+        )
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def page_database(docs_stack: DocsStack) -> Iterator[str]:
+    """A fresh, empty database for one page (libpq URL, as `outbox-kafka dev` prints)."""
+    name = f"docs_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(
+        docs_stack.admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
+    )
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = make_url(docs_stack.admin_url).set(drivername="postgresql", database=name)
+    yield url.render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not COUNTS:
+        return
+    terminalreporter.section("documentation pages")
+    for counts in COUNTS:
+        terminalreporter.write_line(
+            f"{counts.page}: {counts.ran} blocks run, {counts.written} files written, "
+            f"{len(counts.skipped)} not run, {counts.shown} shown"
+        )
+        for reason in counts.skipped:
+            terminalreporter.write_line(f"    not run: {reason}")
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
