@@ -39,6 +39,8 @@ OK = "ok"
 #: What ``/readyz`` says about a failed check; the cause is in the relay's log.
 DATABASE_FAILURE = "unreachable"
 KAFKA_FAILURE = "no broker reachable"
+#: What ``/readyz`` says about an outbox whose loop failed and waits for its restart.
+LOOP_FAILURE = "failed, restarting"
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,15 @@ def _pinging(monitor: Monitor) -> Callable[[float], str | None]:
     return database_problem
 
 
+def _loop_check(group: RelayGroup, name: str) -> Callable[[float], str | None]:
+    """The check of outbox ``name``'s loop: None while it runs, else why it failed."""
+
+    def loop_problem(timeout: float) -> str | None:
+        return group.loop_problem(name)
+
+    return loop_problem
+
+
 class HealthChecks:
     """The checks behind ``/healthz`` and ``/readyz``; every dependency is injectable."""
 
@@ -164,6 +175,7 @@ class HealthChecks:
         database_problem: Callable[[float], str | None]
         | Mapping[str, Callable[[float], str | None]],
         kafka_problem: Callable[[float], str | None],
+        loop_problem: Mapping[str, Callable[[float], str | None]] | None = None,
         timeout: float = 2.0,
         cache_seconds: float = 1.5,
         log_interval: float = 60.0,
@@ -173,7 +185,8 @@ class HealthChecks:
         self._last_cycle_at = last_cycle_at
         self.max_cycle_age = max_cycle_age
         #: Each check's name, how it runs and what a failure says: ``database``, or
-        #: ``database:<outbox>`` per outbox of a multi-outbox relay; then ``kafka``.
+        #: ``database:<outbox>`` per outbox of a multi-outbox relay, and then its
+        #: ``loop:<outbox>`` (the loop is not failed); then ``kafka``.
         databases = (
             [(f"database:{name}", check) for name, check in database_problem.items()]
             if isinstance(database_problem, Mapping)
@@ -181,6 +194,10 @@ class HealthChecks:
         )
         self._checks = [
             *((name, check, DATABASE_FAILURE) for name, check in databases),
+            *(
+                (f"loop:{name}", check, LOOP_FAILURE)
+                for name, check in (loop_problem or {}).items()
+            ),
             ("kafka", kafka_problem, KAFKA_FAILURE),
         ]
         self.timeout = timeout
@@ -211,8 +228,10 @@ class HealthChecks:
         """Checks for a multi-outbox relay: every loop, every outbox's database, the producer.
 
         Liveness fails when a loop is stuck (not when it waits for its
-        database: see :meth:`RelayGroup.last_cycle_at`); readiness names each
-        outbox's database check, ``database:<outbox>``.
+        database or for its restart: see :meth:`RelayGroup.last_cycle_at`);
+        readiness names each outbox's database check, ``database:<outbox>``,
+        and its loop, ``loop:<outbox>``: not ready from an unexpected error in
+        the loop until the loop started in its place completes a cycle.
         """
         monitors: dict[str, Monitor] = {}
 
@@ -232,6 +251,7 @@ class HealthChecks:
             max_cycle_age=default_max_cycle_age(group.settings),
             database_problem={name: _pinging(m) for name, m in monitors.items()},
             kafka_problem=group.publisher.broker_problem,
+            loop_problem={name: _loop_check(group, name) for name in group.relays},
             on_close=close,
         )
 

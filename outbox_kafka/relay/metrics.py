@@ -101,6 +101,12 @@ class RelayMetrics:
             ["topic"],
             registry=r,
         )
+        self.loop_failures = Counter(
+            "outbox_relay_loop_failures",
+            "Unexpected errors that ended the relay loop of an outbox of a relay serving "
+            "several outboxes; a new loop takes its place after a backoff.",
+            registry=r,
+        )
         self.leases_lost = Counter(
             "outbox_leases_lost",
             "Keys whose lease another relay took over while this relay was sending.",

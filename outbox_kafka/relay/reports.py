@@ -107,6 +107,7 @@ class DrainResult:
     report: CycleReport
     #: What is left; None when it could not be read (``error`` says why).
     left: Remaining | None
+    #: Why what is left could not be read; or, with ``left``, what else went wrong.
     error: str | None = None
 
     @property
@@ -123,6 +124,8 @@ class DrainResult:
         )
         if left is None:
             return f"{line}; could not read what is left pending: {self.error}"
+        if self.error is not None:
+            line = f"{line}; {self.error}"
         if self.complete:
             return line + "; nothing left pending"
         reasons = [
