@@ -1,0 +1,110 @@
+"""Every how-to page (and the quickstart) runs, block by block, against the local stack.
+
+The convention is in docs/development.md ("Runnable pages") and tests/docs/pages.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+from .conftest import COUNTS, DocsStack, PageCounts, repo_root
+from .pages import Block, read_blocks
+
+DOCS = repo_root() / "docs"
+# The pages made runnable so far; every page of docs/howto belongs here.
+PAGES = [DOCS / "howto" / f"{name}.md" for name in ("dead-letters", "retention", "testing")]
+SHELL_TIMEOUT = 120
+OPENING = "outbox-kafka dev"
+
+
+def _page_environment(database_url: str, stack: DocsStack) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["OUTBOX_DATABASE_URL"] = database_url
+    env["OUTBOX_KAFKA_BOOTSTRAP_SERVERS"] = stack.bootstrap
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _write(block: Block, project: Path) -> None:
+    assert block.path is not None
+    target = project / block.path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(block.text)
+
+
+def _run_python(block: Block, namespace: dict[str, object]) -> None:
+    code = compile(block.text, block.where, "exec")
+    try:
+        exec(code, namespace)  # the page's own code, as a reader runs it
+    except Exception:
+        pytest.fail(f"{block.where}: the python block failed:\n{traceback.format_exc()}")
+
+
+def _run_shell(block: Block, project: Path, env: dict[str, str]) -> None:
+    script = block.shell_script()
+    result = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SHELL_TIMEOUT,
+        check=False,
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"{block.where}: the {block.language} block exited {result.returncode}:\n"
+            f"{script}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_page_runs_in_order(
+    page: Path,
+    docs_stack: DocsStack,
+    page_database: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    blocks = read_blocks(page, DOCS)
+    opening = page.read_text().split("\n## ", 1)[0]
+    assert OPENING in opening, f"{page.name} does not start from `{OPENING}`"
+    env = _page_environment(page_database, docs_stack)
+    for name in [k for k in os.environ if k.startswith("OUTBOX_")]:
+        monkeypatch.delenv(name)
+    for name in ("OUTBOX_DATABASE_URL", "OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "PATH"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    counts = PageCounts(page=str(page.relative_to(DOCS)))
+    COUNTS.append(counts)
+    namespace: dict[str, object] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    try:
+        for block in blocks:
+            if block.action == "write":
+                _write(block, tmp_path)
+                counts.written += 1
+            elif block.action == "run":
+                _run_python(block, namespace)
+                counts.ran += 1
+            elif block.action == "shell":
+                _run_shell(block, tmp_path, env)
+                counts.ran += 1
+            elif block.action == "skip":
+                counts.skipped.append(f"{block.where}: {block.reason}")
+            else:
+                counts.shown += 1
+    finally:
+        # Modules the page wrote (its app, its settings) must not leak into the next page.
+        for name in set(sys.modules) - before:
+            module_file = getattr(sys.modules[name], "__file__", None) or ""
+            if module_file.startswith(str(tmp_path)):
+                del sys.modules[name]
+    assert counts.ran + counts.written > 0, f"{page.name} has no block that runs"
