@@ -214,10 +214,25 @@ async def _async_connection_of(conn: object) -> AsyncConnection:
             "AsyncConnection or AsyncSession; with a synchronous Connection or Session, use "
             "enqueue(...) or enqueue_many(...)"
         )
-    raise UnsafeConnection(
-        f"expected a SQLAlchemy AsyncConnection, AsyncSession or async_scoped_session, "
-        f"got {type(conn).__name__}"
+    raise _not_sqlalchemy(
+        conn, "expected a SQLAlchemy AsyncConnection, AsyncSession or async_scoped_session"
     )
+
+
+def _not_sqlalchemy(conn: object, expected: str) -> UnsafeConnection:
+    """The error for ``conn``, none of the SQLAlchemy objects ``expected`` names.
+
+    Django's connections, cursors and their proxies (found by module, so that
+    Django is never imported here) get a message that names the Django adapter.
+    """
+    kind = type(conn)
+    if kind.__module__.partition(".")[0] == "django":
+        return UnsafeConnection(
+            f"{expected}, got {kind.__name__}, one of Django's database objects: with Django, "
+            "call outbox_kafka.contrib.django.enqueue(...) or enqueue_many(...) inside "
+            "transaction.atomic(); they write on Django's own connection, in its transaction"
+        )
+    return UnsafeConnection(f"{expected}, got {kind.__name__}")
 
 
 def _connection_of(conn: Connectable) -> Connection:
@@ -235,10 +250,7 @@ def _connection_of(conn: Connectable) -> Connection:
             "await enqueue_async(...) or await enqueue_many_async(...)"
         )
     else:
-        raise UnsafeConnection(
-            f"expected a SQLAlchemy Connection, Session or scoped_session, "
-            f"got {type(conn).__name__}"
-        )
+        raise _not_sqlalchemy(conn, "expected a SQLAlchemy Connection, Session or scoped_session")
     level = connection.get_execution_options().get("isolation_level") or (
         connection.engine.get_execution_options().get("isolation_level")
     )

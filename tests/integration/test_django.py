@@ -3,6 +3,7 @@ transaction of ``transaction.atomic()``, against a real PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -221,6 +222,27 @@ def test_a_database_that_is_not_postgresql_is_refused(django_db: None, outbox: O
         transaction.atomic(using="lite"),
     ):
         django_outbox.enqueue(**valid_event(), using="lite", outbox=outbox)
+
+
+@pytest.mark.parametrize("given", ["connection", "wrapper", "cursor"])
+def test_the_core_api_given_a_django_connection_names_the_django_adapter(
+    django_db: None, engine: sa.Engine, outbox: Outbox, given: str
+) -> None:
+    with transaction.atomic(), connection.cursor() as cursor:
+        django_object = {
+            "connection": connection,  # django.db.connection, a ConnectionProxy
+            "wrapper": connections["default"],
+            "cursor": cursor,
+        }[given]
+        with pytest.raises(UnsafeConnection) as raised:
+            outbox.enqueue(django_object, **valid_event())
+        with pytest.raises(UnsafeConnection) as raised_async:
+            asyncio.run(outbox.enqueue_async(django_object, **valid_event()))
+    for error in (raised.value, raised_async.value):
+        assert "outbox_kafka.contrib.django.enqueue(" in str(error)
+        assert "transaction.atomic()" in str(error)
+        assert type(django_object).__name__ in str(error)
+    assert stored_events(engine) == []
 
 
 def test_a_duplicate_chosen_id_raises_and_the_outer_transaction_still_commits(
