@@ -77,6 +77,9 @@ class RelayGroup:
         self._lock = threading.Lock()
         #: By outbox: the loop's last unexpected failure, until its replacement turns.
         self._failures: dict[str, _Failure] = {}
+        #: By outbox: its last failure, until a loop of it runs well for a while
+        #: (the backoff grows and the traceback is not logged again meanwhile).
+        self._streaks: dict[str, _Failure] = {}
         self.relays: dict[str, Relay] = {}
         try:
             for target in targets:
@@ -217,12 +220,14 @@ class RelayGroup:
         failed loop's leased keys come back when their leases end, to the new
         loop or to another relay.
         """
-        previous = self._failures.get(name)
-        streak = 0 if previous is None or ran_for >= HEALTHY_RUN_SECONDS else previous.streak
+        previous = self._streaks.get(name)
+        if previous is not None and ran_for >= HEALTHY_RUN_SECONDS:
+            previous = None  # it ran well for a while: a new streak
+        streak = 0 if previous is None else previous.streak
         delay = min(RESTART_BACKOFF_CAP, RESTART_BACKOFF_BASE * 2**streak)
         delay *= random.uniform(0.8, 1.0)  # several relay processes do not restart in step
         reason = f"{type(exc).__name__}: {exc}"
-        self._failures[name] = _Failure(reason, streak + 1)
+        self._failures[name] = self._streaks[name] = _Failure(reason, streak + 1)
         self.metrics[name].loop_failures.inc()
         fields = {
             "action": "outbox_failed",
@@ -245,7 +250,8 @@ class RelayGroup:
                 relay = self._new_relay(name)
             except Exception as again:
                 reason = f"{type(again).__name__}: {again}"
-                self._failures[name] = _Failure(reason, self._failures[name].streak + 1)
+                failure = _Failure(reason, self._streaks[name].streak + 1)
+                self._failures[name] = self._streaks[name] = failure
                 self.metrics[name].loop_failures.inc()
                 log.error(
                     "relay loop could not be started again",
