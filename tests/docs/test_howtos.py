@@ -18,7 +18,15 @@ from .pages import Block, read_blocks
 
 DOCS = repo_root() / "docs"
 # The pages made runnable so far; every page of docs/howto belongs here.
-PAGES = [DOCS / "howto" / f"{name}.md" for name in ("dead-letters", "retention", "testing")]
+PAGES = [
+    DOCS / "howto" / f"{name}.md"
+    for name in (
+        "dead-letters",
+        "retention",
+        "testing",
+        "flask",
+    )
+]
 SHELL_TIMEOUT = 120
 OPENING = "outbox-kafka dev"
 
