@@ -24,6 +24,7 @@ PAGES = [
         "dead-letters",
         "retention",
         "testing",
+        "alembic",
         "flask",
     )
 ]
