@@ -54,8 +54,9 @@ def relay_settings(
 ) -> RelaySettings:
     """The relay's settings from its options (and the ``OUTBOX_KAFKA_CONFIG_*`` variables).
 
-    With ``targets`` (several outboxes), the settings every outbox shares;
-    each outbox's database and table come from its entry.
+    With ``targets`` (several outboxes), the settings every outbox shares,
+    after checking each outbox's own (its database, table and the settings of
+    its entry) against them.
     """
     kafka = kafka_config_from_env()
     if args.kafka_config_file:
@@ -64,7 +65,7 @@ def relay_settings(
         key, value = parse_kafka_pair(pair)
         kafka[key] = value
     database_url = args.database_url or (targets[0].database_url if targets else "")
-    return RelaySettings(
+    shared = RelaySettings(
         database_url=database_url,
         bootstrap_servers=args.bootstrap_servers or "",
         table=args.table,
@@ -89,6 +90,12 @@ def relay_settings(
         purge_interval=args.purge_interval,
         sample_interval=args.sample_interval,
     )
+    if targets:
+        from outbox_kafka.relay.outboxes import settings_for
+
+        for target in targets:
+            settings_for(shared, target)  # each outbox's own settings, refused at once
+    return shared
 
 
 def _metrics_port(args: argparse.Namespace) -> int | None:
@@ -221,8 +228,9 @@ def add_relay_parser(
         "--outboxes-file",
         help="serve several outboxes (databases, or schemas of one): a TOML file of "
         "[outboxes.<name>] entries, each with database_url or database_url_env and "
-        "optionally schema and table (defaults: --database-url, --db-schema, --table); "
-        "every other setting is shared; see docs/howto/several-outboxes.md",
+        "optionally schema and table (defaults: --database-url, --db-schema, --table) "
+        "and settings of its own loop such as batch_size or lease_seconds (defaults: "
+        "the options); see docs/howto/several-outboxes.md",
     )
     defaults = RelaySettings
     add_option(

@@ -62,6 +62,7 @@ class RelayGroup:
         if not targets:
             raise ValueError("a relay group needs at least one outbox")
         self.settings = shared
+        self._settings = {t.name: settings_for(shared, t) for t in targets}
         #: The one producer's gauges: one set, not one per outbox.
         self.producer_metrics = ProducerMetrics(CollectorRegistry())
         self.metrics = {
@@ -69,9 +70,9 @@ class RelayGroup:
             for t in targets
         }
         self.publisher = Publisher.for_settings(
-            shared, self.producer_metrics.observe_librdkafka_stats
+            _producer_settings(shared, list(self._settings.values())),
+            self.producer_metrics.observe_librdkafka_stats,
         )
-        self._settings = {t.name: settings_for(shared, t) for t in targets}
         self._stopping = threading.Event()
         #: Guards replacing a failed loop against :meth:`stop`.
         self._lock = threading.Lock()
@@ -285,3 +286,13 @@ class RelayGroup:
         for relay in self.relays.values():
             relay.close()
         self.publisher.close(timeout=min(5.0, self.settings.shutdown_timeout))
+
+
+def _producer_settings(shared: RelaySettings, loops: list[RelaySettings]) -> RelaySettings:
+    """The settings the shared producer is made for: room in its queue for a batch of
+    every loop at once, and metadata waits that fit the shortest lease."""
+    return dataclasses.replace(
+        shared,
+        batch_size=sum(s.batch_size for s in loops),
+        lease_seconds=min(s.lease_seconds for s in loops),
+    )

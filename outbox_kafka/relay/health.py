@@ -248,7 +248,8 @@ class HealthChecks:
 
         return cls(
             last_cycle_at=group.last_cycle_at,
-            max_cycle_age=default_max_cycle_age(group.settings),
+            # The slowest loop's: the outboxes may have leases and poll intervals of their own.
+            max_cycle_age=max(default_max_cycle_age(r.settings) for r in group.relays.values()),
             database_problem={name: _pinging(m) for name, m in monitors.items()},
             kafka_problem=group.publisher.broker_problem,
             loop_problem={name: _loop_check(group, name) for name in group.relays},

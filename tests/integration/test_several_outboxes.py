@@ -472,3 +472,70 @@ def test_relay_drain_reports_an_outbox_whose_loop_fails_and_drains_the_others(
     ), lines
     assert drained.stderr.count("Traceback") == 1, drained.stderr
     _check_topic(kafka_bootstrap, topics["first"])
+
+
+# --------------------------------------------------------------------------- settings per outbox
+
+
+def test_each_outbox_loop_runs_with_the_settings_of_its_entry(
+    three_outboxes: Outboxes, kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topics = {"first": new_topic(partitions=2), "tenant": new_topic(partitions=2)}
+    for name, topic in topics.items():
+        names = three_outboxes.names[name]
+        enqueue_bulk(
+            three_outboxes.engines[name],
+            topic_outbox(db_schema=names.schema),
+            seq_events(topic, KEYS, EVENTS),
+        )
+    file = tmp_path / "own.toml"
+    file.write_text(
+        "[outboxes.first]\nbatch_size = 7\nlease_seconds = 8\n"
+        '[outboxes.tenant]\nschema = "tenant_b"\nmax_attempts = 2\non_exhausted = "park"\n',
+        encoding="utf-8",
+    )
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    targets = load_outboxes(file, database_url=first_url, table="outbox", db_schema="public")
+    group = RelayGroup(make_settings(first_url, kafka_bootstrap, batch_size=50), targets)
+    try:
+        first, tenant = group.relays["first"], group.relays["tenant"]
+        assert (first.settings.batch_size, first.settings.lease_seconds) == (7, 8.0)
+        assert (tenant.settings.batch_size, tenant.settings.lease_seconds) == (50, 5.0)
+        assert (first.policy.max_attempts, tenant.policy.max_attempts) == (50, 2)
+        assert tenant.settings.on_exhausted == "park"
+        results = group.drain_all(60)
+        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0)
+        try:
+            samples = _families(group_exposition(server))
+        finally:
+            server.close()
+    finally:
+        group.close()
+    assert all(r.complete for r in results.values()), results
+    for topic in topics.values():
+        _check_topic(kafka_bootstrap, topic)
+    info = {s.labels["outbox"]: s.labels for s in samples["outbox_relay_info"]}
+    assert info["tenant"]["on_exhausted"] == "park" and info["first"]["on_exhausted"] == "continue"
+    assert info["tenant"]["settings_digest"] != info["first"]["settings_digest"]
+
+
+def test_relay_and_check_refuse_an_outbox_setting_as_the_option_would(
+    tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    file = tmp_path / "outboxes.toml"
+    file.write_text(
+        '[outboxes.orders]\ndatabase_url = "postgresql://h/app"\nlease_seconds = 5\n',
+        encoding="utf-8",
+    )
+    common = ["--outboxes-file", str(file), "--bootstrap-servers", kafka_bootstrap]
+    refused = (
+        "outbox 'orders': the Kafka delivery timeout (10000 ms) must be at most 80% of the lease"
+    )
+    ran = run_cli("relay", *common, timeout=30)
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert refused in ran.stderr
+    checked = run_cli("check", *common, timeout=60)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert any(
+        line.startswith("FAIL settings") and refused in line for line in checked.stdout.splitlines()
+    )
