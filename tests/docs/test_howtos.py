@@ -26,6 +26,7 @@ PAGES = [
         "testing",
         "alembic",
         "flask",
+        "operating",
     )
 ]
 SHELL_TIMEOUT = 120
