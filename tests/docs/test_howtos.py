@@ -27,6 +27,7 @@ PAGES = [
         "alembic",
         "flask",
         "operating",
+        "fastapi",
     )
 ]
 SHELL_TIMEOUT = 120
@@ -113,8 +114,10 @@ def test_page_runs_in_order(
                 counts.shown += 1
     finally:
         # Modules the page wrote (its app, its settings) must not leak into the next page.
+        # A directory without __init__.py (a namespace package) has a __path__, no __file__.
         for name in set(sys.modules) - before:
-            module_file = getattr(sys.modules[name], "__file__", None) or ""
-            if module_file.startswith(str(tmp_path)):
+            module = sys.modules[name]
+            places = [getattr(module, "__file__", None) or "", *getattr(module, "__path__", [])]
+            if any(str(place).startswith(str(tmp_path)) for place in places):
                 del sys.modules[name]
     assert counts.ran + counts.written > 0, f"{page.name} has no block that runs"
