@@ -25,6 +25,7 @@ PAGES = [
         "retention",
         "testing",
         "alembic",
+        "tracing",
         "flask",
         "operating",
         "fastapi",
