@@ -26,6 +26,7 @@ PAGES = [
         "testing",
         "alembic",
         "tracing",
+        "upgrading",
         "flask",
         "operating",
         "fastapi",
