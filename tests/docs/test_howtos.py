@@ -32,6 +32,7 @@ PAGES = [
         "fastapi",
     )
 ]
+PAGES.append(DOCS / "quickstart.md")  # the quickstart, at the top of docs/
 SHELL_TIMEOUT = 120
 OPENING = "outbox-kafka dev"
 
