@@ -187,7 +187,9 @@ class Publisher:
         with self._lock:
             if self._admin is None:
                 try:
-                    self._admin = AdminClient(self._admin_config)
+                    # Its messages go through logging too, served by poll().
+                    config = {**self._admin_config, "logger": librdkafka_logger()}
+                    self._admin = AdminClient(config)
                 except (KafkaException, ValueError, TypeError) as exc:
                     raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
             return self._admin
@@ -465,6 +467,10 @@ class Publisher:
 
     def poll(self, timeout: float = 0.0) -> None:
         """Serve pending callbacks (statistics, logs, late delivery reports)."""
+        admin = self._admin
+        if admin is not None:
+            with contextlib.suppress(KafkaException):
+                admin.poll(0)
         producer = self._producer
         try:
             producer.poll(timeout)

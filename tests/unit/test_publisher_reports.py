@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
+import pytest
+
+from outbox_kafka.logs import LIBRDKAFKA_LOGGER
 from outbox_kafka.relay.boundaries import Message
 from outbox_kafka.relay.publisher import Publisher
 from outbox_kafka.relay.verdicts import Verdict
@@ -78,3 +83,24 @@ def test_reports_served_by_another_thread_during_the_wait_arrive_whole() -> None
         (True, Verdict.DELIVERED, 0, 0),
         (True, Verdict.DELIVERED, 0, 1),
     ]
+
+
+def test_the_admin_clients_librdkafka_messages_go_to_logging_not_stderr(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its connection failures were written raw to stderr ("%3|…|FAIL|…"), past
+    # --log-format json, while the producer's went through logging.
+    nowhere = {"bootstrap.servers": "127.0.0.1:1"}
+    publisher = Publisher(nowhere, dict(nowhere), metadata_timeout=0.5)
+    try:
+        with caplog.at_level(logging.DEBUG, logger=LIBRDKAFKA_LOGGER):
+            assert publisher.message_limit("t") is None  # the admin client asks, and fails
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                "127.0.0.1:1" in r.getMessage() for r in caplog.records
+            ):
+                publisher.poll(0.1)
+    finally:
+        publisher.close(timeout=0)
+    assert "FAIL" not in capfd.readouterr().err
+    assert any("127.0.0.1:1" in r.getMessage() for r in caplog.records)
