@@ -30,6 +30,7 @@ PAGES = [
         "flask",
         "operating",
         "fastapi",
+        "django",
     )
 ]
 PAGES.append(DOCS / "quickstart.md")  # the quickstart, at the top of docs/
