@@ -79,6 +79,19 @@ def _run_shell(block: Block, project: Path, env: dict[str, str]) -> None:
         )
 
 
+def _forget_modules(names: set[str], project: Path) -> None:
+    """Modules the page wrote (its app, its settings) must not leak into the next page.
+
+    A directory without ``__init__.py`` (a namespace package) has a ``__path__``, no
+    ``__file__``.
+    """
+    for name in names:
+        module = sys.modules[name]
+        places = [getattr(module, "__file__", None) or "", *getattr(module, "__path__", [])]
+        if any(str(place).startswith(str(project)) for place in places):
+            del sys.modules[name]
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
 def test_page_runs_in_order(
     page: Path,
@@ -117,11 +130,18 @@ def test_page_runs_in_order(
             else:
                 counts.shown += 1
     finally:
-        # Modules the page wrote (its app, its settings) must not leak into the next page.
-        # A directory without __init__.py (a namespace package) has a __path__, no __file__.
-        for name in set(sys.modules) - before:
-            module = sys.modules[name]
-            places = [getattr(module, "__file__", None) or "", *getattr(module, "__path__", [])]
-            if any(str(place).startswith(str(tmp_path)) for place in places):
-                del sys.modules[name]
+        _forget_modules(set(sys.modules) - before, tmp_path)
     assert counts.ran + counts.written > 0, f"{page.name} has no block that runs"
+
+
+def test_the_modules_a_page_wrote_are_forgotten_namespace_packages_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "shop").mkdir()  # no __init__.py: a namespace package
+    (tmp_path / "shop" / "models.py").write_text("ORDER = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    import shop.models  # type: ignore[import-not-found]  # noqa: F401
+
+    _forget_modules(set(sys.modules) - before, tmp_path)
+    assert not {"shop", "shop.models"} & set(sys.modules)
