@@ -567,7 +567,16 @@ SELECT 1;
 SELECT pg_advisory_xact_lock(:lock_id);
 
 -- name: create_schema
-CREATE SCHEMA IF NOT EXISTS {schema};
+-- Only a missing schema: CREATE SCHEMA IF NOT EXISTS asks for CREATE on the
+-- database even when the schema exists, which the owner of the tables in an
+-- existing schema (public) need not have.
+DO $create_schema$
+BEGIN
+    IF to_regnamespace('{schema}') IS NULL THEN
+        CREATE SCHEMA IF NOT EXISTS {schema};
+    END IF;
+END
+$create_schema$;
 
 -- name: create_versions_table
 CREATE TABLE IF NOT EXISTS {versions} (
