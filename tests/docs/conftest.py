@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -74,6 +75,16 @@ def page_database(docs_stack: DocsStack) -> Iterator[str]:
     with admin.connect() as conn:
         conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     admin.dispose()
+
+
+@pytest.fixture
+def checkout_files(tmp_path: Path) -> None:
+    """The page's project directory holds a copy of the repository's ``deploy/``.
+
+    A page runs as from a checkout, where ``psql -f deploy/sql/roles.sql`` finds
+    the script; a copy, so that nothing a page does can change the repository.
+    """
+    shutil.copytree(repo_root() / "deploy", tmp_path / "deploy")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -28,9 +28,10 @@ PAGES = [
         "tracing",
         "upgrading",
         "flask",
-        "operating",
         "fastapi",
         "django",
+        "operating",
+        "security",
     )
 ]
 PAGES.append(DOCS / "quickstart.md")  # the quickstart, at the top of docs/
@@ -93,6 +94,7 @@ def _forget_modules(names: set[str], project: Path) -> None:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+@pytest.mark.usefixtures("checkout_files")
 def test_page_runs_in_order(
     page: Path,
     docs_stack: DocsStack,
