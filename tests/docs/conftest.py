@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,9 +39,7 @@ COUNTS: list[PageCounts] = []
 
 
 @pytest.fixture(scope="session")
-def docs_stack(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[DocsStack]:
+def docs_stack(request: pytest.FixtureRequest) -> Iterator[DocsStack]:
     """The tests' PostgreSQL and broker with OUTBOX_TEST_DATABASE_URL, else `outbox-kafka dev`'s."""
     if os.environ.get("OUTBOX_TEST_DATABASE_URL"):
         yield DocsStack(
@@ -48,10 +47,10 @@ def docs_stack(
             bootstrap=request.getfixturevalue("kafka_bootstrap"),
         )
         return
-    settings = StackSettings(
-        data_dir=tmp_path_factory.mktemp("docs-stack"), postgres_port=0, kafka_port=0
-    )
-    stack = start_local_stack(settings)
+    # Not under pytest's numbered temporary directories: another pytest run of the
+    # same user may clean those up while the server still uses them.
+    data_dir = Path(tempfile.mkdtemp(prefix="outbox-kafka-docs-"))
+    stack = start_local_stack(StackSettings(data_dir=data_dir, postgres_port=0, kafka_port=0))
     try:
         yield DocsStack(
             admin_url=normalise_url(stack.environment["OUTBOX_DATABASE_URL"]),
@@ -59,6 +58,7 @@ def docs_stack(
         )
     finally:
         stack.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.fixture
