@@ -6,8 +6,10 @@ The convention is in docs/development.md ("Runnable pages") and tests/docs/pages
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -37,6 +39,8 @@ PAGES = [
 PAGES.append(DOCS / "quickstart.md")  # the quickstart, at the top of docs/
 SHELL_TIMEOUT = 120
 OPENING = "outbox-kafka dev"
+# Variables bash sets for itself; they are not a page's exports.
+_SHELL_OWN = {"_", "SHLVL", "PWD", "OLDPWD"}
 
 
 def _page_environment(database_url: str, stack: DocsStack) -> dict[str, str]:
@@ -62,22 +66,42 @@ def _run_python(block: Block, namespace: dict[str, object]) -> None:
         pytest.fail(f"{block.where}: the python block failed:\n{traceback.format_exc()}")
 
 
-def _run_shell(block: Block, project: Path, env: dict[str, str]) -> None:
+def _run_shell(block: Block, project: Path, env: dict[str, str]) -> dict[str, str]:
+    """Runs the block; returns the environment it leaves, its exports included."""
     script = block.shell_script()
-    result = subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", script],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SHELL_TIMEOUT,
-        check=False,
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"{block.where}: the {block.language} block exited {result.returncode}:\n"
-            f"{script}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    with tempfile.TemporaryDirectory() as scratch:
+        left = Path(scratch) / "environment"
+        result = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", f"{script}env -0 > {shlex.quote(str(left))}\n"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=SHELL_TIMEOUT,
+            check=False,
         )
+        if result.returncode != 0:
+            pytest.fail(
+                f"{block.where}: the {block.language} block exited {result.returncode}:\n"
+                f"{script}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+            )
+        if not left.exists():  # the block ended with an `exit 0` of its own
+            return dict(env)
+        entries = (entry.partition("=") for entry in left.read_text().split("\0") if entry)
+        return {name: value for name, _, value in entries if name not in _SHELL_OWN}
+
+
+def _carry_exports(
+    left: dict[str, str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a shell block exported stays set for the page's later blocks, as in one terminal."""
+    for name, value in left.items():
+        if env.get(name) != value:
+            env[name] = value
+            monkeypatch.setenv(name, value)
+    for name in [n for n in env if n not in left and n.isidentifier()]:
+        del env[name]
+        monkeypatch.delenv(name, raising=False)
 
 
 def _forget_modules(names: set[str], project: Path) -> None:
@@ -125,7 +149,7 @@ def test_page_runs_in_order(
                 _run_python(block, namespace)
                 counts.ran += 1
             elif block.action == "shell":
-                _run_shell(block, tmp_path, env)
+                _carry_exports(_run_shell(block, tmp_path, env), env, monkeypatch)
                 counts.ran += 1
             elif block.action == "skip":
                 counts.skipped.append(f"{block.where}: {block.reason}")
@@ -147,3 +171,22 @@ def test_the_modules_a_page_wrote_are_forgotten_namespace_packages_too(
 
     _forget_modules(set(sys.modules) - before, tmp_path)
     assert not {"shop", "shop.models"} & set(sys.modules)
+
+
+def test_what_a_shell_block_exports_stays_set_for_the_next_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DOCS_GONE", "1")
+    env = {**os.environ, "DOCS_KEPT": "1"}
+    block = Block(
+        "page.md", 1, "sh", "export DOCS_URL=postgresql://x/y\nunset DOCS_GONE\n", "shell"
+    )
+    _carry_exports(_run_shell(block, tmp_path, env), env, monkeypatch)
+    assert (env["DOCS_URL"], env["DOCS_KEPT"], "DOCS_GONE" in env) == (
+        "postgresql://x/y",
+        "1",
+        False,
+    )
+    assert os.environ["DOCS_URL"] == "postgresql://x/y" and "DOCS_GONE" not in os.environ
+    echo = Block("page.md", 5, "sh", 'test "$DOCS_URL" = postgresql://x/y\n', "shell")
+    _run_shell(echo, tmp_path, env)
