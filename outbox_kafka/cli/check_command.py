@@ -80,7 +80,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if settings is None:
         results.append(check("kafka", False, "not checked: fix the settings first"))
     else:
-        topics = [settings.dead_letter_topic] if settings.dead_letter_topic else []
+        topics = _dead_letter_topics(settings, targets)
         results.extend(
             operations.check_kafka(
                 settings.admin_config(),
@@ -95,6 +95,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     document = {"ok": ok, "checks": [r.as_dict() for r in results]}
     reports.emit(args, document, reports.check_text(results))
     return 0 if ok else 1
+
+
+def _dead_letter_topics(settings: RelaySettings, targets: list[OutboxTarget] | None) -> list[str]:
+    """The dead-letter topics in use: the shared one, and each outbox's own."""
+    topics = [settings.dead_letter_topic] if settings.dead_letter_topic else []
+    for target in targets or []:
+        topic = target.settings.get("dead_letter_topic", settings.dead_letter_topic)
+        if topic and topic not in topics:
+            topics.append(topic)
+    return topics
 
 
 def _tables(settings: RelaySettings, targets: list[OutboxTarget] | None) -> str:

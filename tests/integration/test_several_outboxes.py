@@ -180,6 +180,30 @@ def test_relay_and_check_take_an_outboxes_file(
         _check_topic(kafka_bootstrap, topic)
 
 
+def test_check_looks_for_each_outboxs_own_dead_letter_topic(
+    three_outboxes: Outboxes, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    file = tmp_path / "dead-letters.toml"
+    file.write_text(
+        '[outboxes.first]\ndead_letter_topic = "no-such-dlt-first"\n'
+        '[outboxes.tenant]\nschema = "tenant_b"\n',
+        encoding="utf-8",
+    )
+    checked = run_cli(
+        "check",
+        "--outboxes-file",
+        str(file),
+        "--database-url",
+        first_url,
+        "--bootstrap-servers",
+        kafka_bootstrap,
+    )
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert any("topic no-such-dlt-first" in line and "FAIL" in line for line in lines), lines
+
+
 def test_check_names_an_outbox_whose_table_is_missing(
     three_outboxes: Outboxes, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
