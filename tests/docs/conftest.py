@@ -63,7 +63,11 @@ def docs_stack(request: pytest.FixtureRequest) -> Iterator[DocsStack]:
 
 @pytest.fixture
 def page_database(docs_stack: DocsStack) -> Iterator[str]:
-    """A fresh, empty database for one page (libpq URL, as `outbox-kafka dev` prints)."""
+    """A fresh, empty database for one page (libpq URL, as `outbox-kafka dev` prints).
+
+    Databases the page creates beside it, named after it (``<name>_tenants``), are
+    dropped with it.
+    """
     name = f"docs_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(
         docs_stack.admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
@@ -73,7 +77,12 @@ def page_database(docs_stack: DocsStack) -> Iterator[str]:
     url = make_url(docs_stack.admin_url).set(drivername="postgresql", database=name)
     yield url.render_as_string(hide_password=False)
     with admin.connect() as conn:
-        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        beside = conn.execute(
+            sa.text("SELECT datname FROM pg_database WHERE starts_with(datname, :prefix)"),
+            {"prefix": f"{name}_"},
+        ).scalars()
+        for database in [name, *beside]:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
     admin.dispose()
 
 

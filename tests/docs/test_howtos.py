@@ -34,6 +34,7 @@ PAGES = [
         "django",
         "operating",
         "security",
+        "several-outboxes",
     )
 ]
 PAGES.append(DOCS / "quickstart.md")  # the quickstart, at the top of docs/
