@@ -43,8 +43,7 @@ from outbox_kafka.producer.outbox import (
     enqueue_many,
     enqueue_many_async,
 )
-
-__version__ = "0.1.0"
+from outbox_kafka.version import __version__
 
 __all__ = [
     "ConfigurationError",

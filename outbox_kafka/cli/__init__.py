@@ -7,9 +7,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from outbox_kafka import __version__
 from outbox_kafka.errors import OutboxError
 from outbox_kafka.logs import redact
+from outbox_kafka.version import __version__
 
 from .check_command import add_check_parser
 from .demo_command import add_demo_parser

@@ -18,15 +18,14 @@ from outbox_kafka.errors import (
     InvalidHeaders,
     InvalidKey,
     InvalidTimestamp,
-    InvalidTopic,
 )
+from outbox_kafka.topic_names import check_topic as check_topic  # moved; still importable here
 
 #: Header names the library writes itself; producers may not set them.
 RESERVED_HEADERS = frozenset(
     {"content-type", "ce_id", "ce_type", "ce_source", "ce_specversion", "traceparent"}
 )
 
-_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _MAX_ATTRIBUTE = 4096
 
@@ -55,22 +54,6 @@ def check_key(key: object, max_bytes: int) -> bytes:
             "key", f"is {len(encoded)} bytes in UTF-8, over the maximum of {max_bytes}"
         )
     return encoded
-
-
-def check_topic(topic: object) -> str:
-    """Return ``topic`` if it is a legal Kafka topic name, else raise."""
-    if not isinstance(topic, str):
-        raise InvalidTopic("topic", f"must be a str, not {type(topic).__name__}")
-    if topic in {".", ".."}:
-        raise InvalidTopic("topic", f"{topic!r} is not allowed as a Kafka topic name")
-    if not _TOPIC.fullmatch(topic):
-        if len(topic) > 249:
-            raise InvalidTopic("topic", f"is {len(topic)} characters, over Kafka's limit of 249")
-        raise InvalidTopic(
-            "topic",
-            f"{topic!r} is not a legal Kafka topic name (use ASCII letters, digits, '.', '_', '-')",
-        )
-    return topic
 
 
 def check_type(event_type: object) -> str:

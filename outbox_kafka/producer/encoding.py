@@ -19,7 +19,6 @@ from outbox_kafka.producer.checks import (
     check_event_id,
     check_headers,
     check_key,
-    check_topic,
     check_traceparent,
     check_type,
 )
@@ -29,6 +28,7 @@ from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, struc
 from outbox_kafka.producer.extensions import check_extensions
 from outbox_kafka.producer.ids import uuid7
 from outbox_kafka.producer.trace_context import current_traceparent
+from outbox_kafka.topic_names import check_topic
 from outbox_kafka.validation import CompiledSchema, EventSchemas, envelope_schema
 
 if TYPE_CHECKING:

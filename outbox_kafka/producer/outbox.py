@@ -19,7 +19,6 @@ from outbox_kafka.producer.checks import (
     HeadersInput,
     check_attribute,
     check_id_header,
-    check_topic,
 )
 from outbox_kafka.producer.content_modes import ContentMode, check_content_mode
 from outbox_kafka.producer.data import JsonDefault
@@ -32,6 +31,7 @@ from outbox_kafka.producer.metrics import (
     producer_metrics,
 )
 from outbox_kafka.producer.writing import Connectable, EnqueueFunctions, OutboxWriter
+from outbox_kafka.topic_names import check_topic
 from outbox_kafka.validation import EventSchemas, load_event_schemas
 
 if TYPE_CHECKING:
