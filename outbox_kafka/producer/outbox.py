@@ -95,6 +95,7 @@ class Outbox:
         json_default: JsonDefault | None = None,
         content_mode: ContentMode = "structured",
         id_header: str | None = None,
+        writer: OutboxWriter | None = None,
     ) -> None:
         if max_key_bytes < 1:
             raise ConfigurationError(f"max_key_bytes must be at least 1, got {max_key_bytes}")
@@ -120,7 +121,12 @@ class Outbox:
             content_mode=check_content_mode(content_mode),
             id_header=check_id_header(id_header),
         )
-        self._writer = OutboxWriter(self._names, notify=notify)
+        if writer is not None and writer.names != self._names:
+            raise ConfigurationError(
+                f"writer writes to {writer.names.qualified_events}, "
+                f"not to this outbox's {self._names.qualified_events}"
+            )
+        self._writer = writer or OutboxWriter(self._names, notify=notify)
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
         self.producer_metrics = producer_metrics(registry)
 

@@ -65,6 +65,11 @@ class OutboxWriter:
         #: Engines on which a session could call both enqueue functions.
         self._functions_callable_on: weakref.WeakSet[Engine] = weakref.WeakSet()
 
+    @property
+    def names(self) -> TableNames:
+        """The tables (and functions) this writer writes to."""
+        return self._names
+
     def write(
         self, conn: Connectable, encoded: list[EncodedEvent], chosen_ids: bool
     ) -> list[uuid.UUID]:
