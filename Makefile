@@ -20,6 +20,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check outbox_kafka tests bench deploy examples
 	$(BIN)/ruff format --check outbox_kafka tests bench deploy examples
 	$(BIN)/mypy --strict outbox_kafka deploy/producer/orders.py
+	$(BIN)/python -m tests.lint_private
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix outbox_kafka tests bench deploy examples

@@ -431,7 +431,7 @@ def test_enqueue_many_is_one_round_trip(
     ]
     with engine.begin() as conn:
         # Which enqueue functions the session may call is asked once per connection.
-        assert outbox._functions(conn) == (True, True)
+        assert outbox.writer.functions(conn) == (True, True)
         statements.clear()
         ids = outbox.enqueue_many(conn, batch)
         assert len(statements) == 1
@@ -485,7 +485,7 @@ def test_enqueue_many_with_event_ids_uses_a_savepoint(
 ) -> None:
     given = [uuid.uuid4(), uuid.uuid4()]
     with engine.begin() as conn:
-        assert outbox._functions(conn) == (True, True)
+        assert outbox.writer.functions(conn) == (True, True)
         statements.clear()
         ids = outbox.enqueue_many(
             conn, [Event(**valid_event(event_id=given[0])), Event(**valid_event(event_id=given[1]))]

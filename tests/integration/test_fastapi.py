@@ -11,17 +11,27 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-import outbox_kafka.producer.outbox as producer_outbox
 from examples import fastapi_app
+from outbox_kafka import configure, default_outbox
 from tests.integration.test_enqueue import count_all, stored_events
 
 
 @pytest.fixture
-def client(database_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
+def kept_default_outbox() -> Iterator[None]:
+    """The app configures the module-level outbox at startup: the one before is put back after."""
+    previous = default_outbox()
+    try:
+        yield
+    finally:
+        configure(previous)
+
+
+@pytest.fixture
+def client(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, kept_default_outbox: None
+) -> Iterator[TestClient]:
     """The example app on this test's database; its engine is disposed at shutdown."""
     monkeypatch.setenv("DATABASE_URL", database_url)
-    # The app configures the module-level outbox at startup: put the previous one back after.
-    monkeypatch.setattr(producer_outbox, "_default_outbox", producer_outbox._default_outbox)
     with TestClient(fastapi_app.app, raise_server_exceptions=False) as test_client:
         yield test_client
 
@@ -68,12 +78,13 @@ def test_a_route_failing_after_enqueue_stores_neither(
     assert count_all(engine) == (1, 1, 1)
 
 
-def test_the_failing_route_raises_in_the_application(database_url: str) -> None:
+def test_the_failing_route_raises_in_the_application(
+    database_url: str, kept_default_outbox: None
+) -> None:
     """Without the test client's 500: the exception is the example's own, from inside the
     transaction block (so the rollback above is the block's doing, not the client's)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DATABASE_URL", database_url)
-        patch.setattr(producer_outbox, "_default_outbox", producer_outbox._default_outbox)
         with (
             TestClient(fastapi_app.app) as test_client,
             pytest.raises(fastapi_app.PaymentServiceDown, match="o-3"),

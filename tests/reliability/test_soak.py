@@ -92,7 +92,8 @@ class MixedWriter:
 
     def __post_init__(self) -> None:
         self.outbox = Outbox(allow_unknown_types=True)
-        self._stop = threading.Event()
+        #: Set to stop writing; stop() also waits for the writer to end.
+        self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-writer", daemon=True)
         self._rng = random.Random(7)
 
@@ -117,7 +118,7 @@ class MixedWriter:
         started = time.monotonic()
         n = 0
         try:
-            while not self._stop.is_set():
+            while not self.stopping.is_set():
                 event, poison = self._event(n)
                 with self.engine.begin() as conn:
                     [event_id] = self.outbox.enqueue_many(conn, [event])
@@ -135,13 +136,13 @@ class MixedWriter:
                 else:
                     self.committed.setdefault(event.key, []).append(str(event_id))
                 n += 1
-                self._stop.wait(max(0.0, started + n / self.rate - time.monotonic()))
+                self.stopping.wait(max(0.0, started + n / self.rate - time.monotonic()))
         except BaseException as exc:
             self.error = exc
             raise
 
     def stop(self) -> None:
-        self._stop.set()
+        self.stopping.set()
         self._thread.join(60)
         assert self.error is None, repr(self.error)
 
@@ -315,7 +316,7 @@ def test_a_steady_mixed_load_leaves_nothing_growing(
         collector.catch_up(committed, 120)
         assert relay.stop() == 0, relay.log()[-3000:]
     finally:
-        writer._stop.set()
+        writer.stopping.set()
         stop_holds.set()
         relay.stop()
         collector.close()
