@@ -32,10 +32,9 @@ from outbox_kafka.errors import (
 )
 from outbox_kafka.migrations import migrate, migration_script
 from outbox_kafka.naming import TableNames
+from outbox_kafka.producer.event import Event, Route
 from outbox_kafka.producer.outbox import (
-    Event,
     Outbox,
-    Route,
     configure,
     default_outbox,
     enqueue,

@@ -31,8 +31,9 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from outbox_kafka.errors import UnsafeConnection
 from outbox_kafka.producer.checks import HeadersInput
 from outbox_kafka.producer.envelope import EncodedEvent
+from outbox_kafka.producer.event import Event
 from outbox_kafka.producer.extensions import ExtensionValue
-from outbox_kafka.producer.outbox import Event, Outbox, default_outbox
+from outbox_kafka.producer.outbox import Outbox, default_outbox
 from outbox_kafka.producer.writing import EnqueueFunctions, duplicate_id_error
 
 __all__ = ["enqueue", "enqueue_many"]

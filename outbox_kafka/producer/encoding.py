@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING
 
 from outbox_kafka.errors import (
     DataSchemaViolation,
@@ -25,14 +24,12 @@ from outbox_kafka.producer.checks import (
 from outbox_kafka.producer.content_modes import ContentMode, binary_message
 from outbox_kafka.producer.data import DataEncoder, JsonDefault
 from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, structured_headers
+from outbox_kafka.producer.event import Event, Route
 from outbox_kafka.producer.extensions import check_extensions
 from outbox_kafka.producer.ids import uuid7
 from outbox_kafka.producer.trace_context import current_traceparent
 from outbox_kafka.topic_names import check_topic
 from outbox_kafka.validation import CompiledSchema, EventSchemas, envelope_schema
-
-if TYPE_CHECKING:
-    from outbox_kafka.producer.outbox import Event, Route
 
 
 class _EventKind:

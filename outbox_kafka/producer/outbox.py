@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,9 @@ from outbox_kafka.producer.content_modes import ContentMode, check_content_mode
 from outbox_kafka.producer.data import JsonDefault
 from outbox_kafka.producer.encoding import EventEncoder
 from outbox_kafka.producer.envelope import EncodedEvent
+from outbox_kafka.producer.event import Event as Event  # also importable from here
+from outbox_kafka.producer.event import Route as Route
+from outbox_kafka.producer.event import event_from_mapping, routes_from
 from outbox_kafka.producer.extensions import ExtensionValue
 from outbox_kafka.producer.metrics import (
     counts_async_enqueue_failures,
@@ -31,42 +33,10 @@ from outbox_kafka.producer.metrics import (
     producer_metrics,
 )
 from outbox_kafka.producer.writing import Connectable, EnqueueFunctions, OutboxWriter
-from outbox_kafka.topic_names import check_topic
 from outbox_kafka.validation import EventSchemas, load_event_schemas
 
 if TYPE_CHECKING:
     from outbox_kafka.producer.writing import AsyncConnectable
-
-
-@dataclass(frozen=True)
-class Event:
-    """One event for :meth:`Outbox.enqueue_many`; fields as in :meth:`Outbox.enqueue`.
-
-    ``extensions`` maps CloudEvents extension attribute names to values
-    (:mod:`outbox_kafka.producer.extensions`): they are checked with the rest
-    of the event when it is encoded, before anything is written.
-    """
-
-    type: str
-    key: str
-    data: Any
-    topic: str | None = None
-    headers: HeadersInput | None = None
-    available_at: datetime | None = None
-    event_id: uuid.UUID | None = None
-    source: str | None = None
-    subject: str | None = None
-    traceparent: str | None = None
-    delay: timedelta | None = None
-    extensions: Mapping[str, ExtensionValue] | None = None
-
-
-@dataclass(frozen=True)
-class Route:
-    """Events whose type matches ``pattern`` (an fnmatch glob) go to ``topic``."""
-
-    pattern: str
-    topic: str
 
 
 class Outbox:
@@ -107,7 +77,7 @@ class Outbox:
             check_attribute("source", source)
         except EventError as exc:
             raise ConfigurationError(f"default source: {exc.reason}") from None
-        route_list = _routes(routes)
+        route_list = routes_from(routes)
         schemas = load_event_schemas(str(Path(schema_dir).resolve())) if schema_dir else None
         self._names = TableNames(table=table, schema=db_schema)
         self._encoder = EventEncoder(
@@ -288,7 +258,7 @@ class Outbox:
     ) -> tuple[list[EncodedEvent], bool]:
         """Every event of a batch validated and encoded; whether the caller chose ids."""
         batch = [
-            e if isinstance(e, Event) else _event_from_mapping(e, i) for i, e in enumerate(events)
+            e if isinstance(e, Event) else event_from_mapping(e, i) for i, e in enumerate(events)
         ]
         if len(batch) == 1:
             encoded = [self._encoder.encode(batch[0])]
@@ -317,39 +287,6 @@ def _refuse_repeated_ids(batch: list[Event]) -> None:
                 f"{event.event_id} is given twice in the batch (also event {first})",
                 index=index,
             )
-
-
-def _routes(routes: Mapping[str, str] | Iterable[Route] | None) -> list[Route]:
-    if routes is None:
-        return []
-    pairs = (
-        [Route(p, t) for p, t in routes.items()] if isinstance(routes, Mapping) else list(routes)
-    )
-    for route in pairs:
-        if not isinstance(route, Route) or not isinstance(route.pattern, str) or not route.pattern:
-            raise ConfigurationError(f"routing rule {route!r} needs a non-empty type pattern")
-        try:
-            check_topic(route.topic)
-        except EventError as exc:
-            raise ConfigurationError(f"routing rule for {route.pattern!r}: {exc.reason}") from None
-    return pairs
-
-
-_EVENT_FIELDS = frozenset(Event.__dataclass_fields__)
-
-
-def _event_from_mapping(item: Mapping[str, Any], index: int) -> Event:
-    if not isinstance(item, Mapping):
-        raise EventError(
-            "events", f"must hold Event objects or mappings, not {type(item).__name__}", index=index
-        )
-    unknown = set(item) - _EVENT_FIELDS
-    if unknown:
-        raise EventError("events", f"unknown field(s) {sorted(unknown)}", index=index)
-    missing = {"type", "key", "data"} - set(item)
-    if missing:
-        raise EventError("events", f"missing field(s) {sorted(missing)}", index=index)
-    return Event(**item)
 
 
 _default_outbox: Outbox | None = None
