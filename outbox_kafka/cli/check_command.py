@@ -14,7 +14,7 @@ from outbox_kafka.naming import TableNames
 from outbox_kafka.relay.outboxes import OutboxTarget
 from outbox_kafka.relay.settings import RelaySettings
 
-from . import reports
+from . import output
 from .operator_commands import cmd_check_consistency
 from .options import add_option, add_output_flags, names_from
 from .relay_command import add_relay_parser, outbox_targets, relay_settings
@@ -93,7 +93,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         )
     ok = all(r.ok for r in results)
     document = {"ok": ok, "checks": [r.as_dict() for r in results]}
-    reports.emit(args, document, reports.check_text(results))
+    output.emit(args, document, output.check_text(results))
     return 0 if ok else 1
 
 

@@ -16,7 +16,7 @@ from outbox_kafka.database import redact_url, short_command_engine, url_secrets
 from outbox_kafka.logs import register_secrets
 from outbox_kafka.relay.settings import SECONDS_PER_DAY
 
-from . import reports
+from . import output
 from .options import (
     add_database_option,
     add_flag,
@@ -126,7 +126,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         )
     finally:
         engine.dispose()
-    reports.emit(args, stats.as_dict(), reports.stats_text(stats))
+    output.emit(args, stats.as_dict(), output.stats_text(stats))
     return 0
 
 
@@ -139,7 +139,7 @@ def _cmd_requeue(args: argparse.Namespace) -> int:
         result = operations.requeue(engine, selection, names, dry_run=args.dry_run)
     finally:
         engine.dispose()
-    reports.emit(args, result.as_dict(), reports.requeue_text(result, show=args.list_limit))
+    output.emit(args, result.as_dict(), output.requeue_text(result, show=args.list_limit))
     return 0
 
 
@@ -152,7 +152,7 @@ def _cmd_unpark(args: argparse.Namespace) -> int:
         result = operations.unpark(engine, selection, names, dry_run=args.dry_run)
     finally:
         engine.dispose()
-    reports.emit(args, result.as_dict(), reports.unpark_text(result))
+    output.emit(args, result.as_dict(), output.unpark_text(result))
     return 0
 
 
@@ -170,7 +170,7 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         )
     finally:
         engine.dispose()
-    reports.emit(args, result.as_dict(), reports.purge_text(result))
+    output.emit(args, result.as_dict(), output.purge_text(result))
     return 0
 
 
@@ -189,12 +189,12 @@ def cmd_check_consistency(args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     document: dict[str, Any] = {"checks": [r.as_dict() for r in results]}
-    text = reports.check_text(results, report)
+    text = output.check_text(results, report)
     ok = report is not None and report.ok
     if report is not None:
         document["consistency"] = report.as_dict()
     document["ok"] = ok
-    reports.emit(args, document, text)
+    output.emit(args, document, text)
     return 0 if ok else 1
 
 

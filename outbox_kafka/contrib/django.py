@@ -29,9 +29,9 @@ from typing import Any
 from django.db import DatabaseError, IntegrityError, connections, transaction
 
 from outbox_kafka.errors import UnsafeConnection
-from outbox_kafka.producer.checks import HeadersInput
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.event import Event
+from outbox_kafka.producer.event_checks import HeadersInput
 from outbox_kafka.producer.extensions import ExtensionValue
 from outbox_kafka.producer.outbox import Outbox, default_outbox
 from outbox_kafka.producer.writing import EnqueueFunctions, duplicate_id_error

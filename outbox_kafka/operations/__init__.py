@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from outbox_kafka.database import short_command_engine
 
-from .checks import (
+from .consistency import CONSISTENCY_CHECKS, ConsistencyReport, Violation, check_consistency
+from .diagnosis import (
     CheckResult,
     PendingTopics,
     check_database,
@@ -18,7 +19,6 @@ from .checks import (
     check_schemas,
     pending_topics,
 )
-from .consistency import CONSISTENCY_CHECKS, ConsistencyReport, Violation, check_consistency
 from .events import DiscardedEvent, ParkedKey
 from .purge import (
     DEFAULT_PURGE_BATCH,

@@ -11,7 +11,11 @@ from outbox_kafka.errors import (
     MissingTopic,
     UnknownEventType,
 )
-from outbox_kafka.producer.checks import (
+from outbox_kafka.producer.content_modes import ContentMode, binary_message
+from outbox_kafka.producer.data import DataEncoder, JsonDefault
+from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, structured_headers
+from outbox_kafka.producer.event import Event, Route
+from outbox_kafka.producer.event_checks import (
     check_attribute,
     check_available_at,
     check_delay,
@@ -21,10 +25,6 @@ from outbox_kafka.producer.checks import (
     check_traceparent,
     check_type,
 )
-from outbox_kafka.producer.content_modes import ContentMode, binary_message
-from outbox_kafka.producer.data import DataEncoder, JsonDefault
-from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, structured_headers
-from outbox_kafka.producer.event import Event, Route
 from outbox_kafka.producer.extensions import check_extensions
 from outbox_kafka.producer.ids import uuid7
 from outbox_kafka.producer.trace_context import current_traceparent

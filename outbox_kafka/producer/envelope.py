@@ -6,7 +6,7 @@ headers are ``content-type: application/cloudevents+json``, the event id under
 the outbox's ``id_header`` when it has one, ``traceparent`` when the event has
 one, then the producer's own. No ``ce_`` header: a reader that finds one takes
 the message for binary mode. Its attributes arrive checked
-(:mod:`outbox_kafka.producer.checks`), the producer's extension attributes
+(:mod:`outbox_kafka.producer.event_checks`), the producer's extension attributes
 encoded (:mod:`outbox_kafka.producer.extensions`); they follow the library's
 own attributes in the envelope, in the order given.
 """

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from outbox_kafka.errors import ConfigurationError, EventError
-from outbox_kafka.producer.checks import HeadersInput
+from outbox_kafka.producer.event_checks import HeadersInput
 from outbox_kafka.producer.extensions import ExtensionValue
 from outbox_kafka.topic_names import check_topic
 

@@ -14,11 +14,6 @@ from sqlalchemy import Connection
 from outbox_kafka.errors import ConfigurationError, DuplicateEventId, EventError
 from outbox_kafka.limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
-from outbox_kafka.producer.checks import (
-    HeadersInput,
-    check_attribute,
-    check_id_header,
-)
 from outbox_kafka.producer.content_modes import ContentMode, check_content_mode
 from outbox_kafka.producer.data import JsonDefault
 from outbox_kafka.producer.encoding import EventEncoder
@@ -26,8 +21,13 @@ from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.event import Event as Event  # also importable from here
 from outbox_kafka.producer.event import Route as Route
 from outbox_kafka.producer.event import event_from_mapping, routes_from
+from outbox_kafka.producer.event_checks import (
+    HeadersInput,
+    check_attribute,
+    check_id_header,
+)
 from outbox_kafka.producer.extensions import ExtensionValue
-from outbox_kafka.producer.metrics import (
+from outbox_kafka.producer.instruments import (
     counts_async_enqueue_failures,
     counts_enqueue_failures,
     producer_metrics,

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from outbox_kafka import Outbox, OutboxError
-from outbox_kafka.producer.checks import RESERVED_HEADERS
+from outbox_kafka.producer.event_checks import RESERVED_HEADERS
 from outbox_kafka.relay import Relay
 from tests.relay_support import admit_arrivals, consume_all, make_settings
 from tests.reliability.report import size

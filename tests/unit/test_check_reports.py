@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_kafka.cli.reports import check_text
+from outbox_kafka.cli.output import check_text
 from outbox_kafka.operations import CheckResult, ConsistencyReport, Violation
 
 CHECKS = [

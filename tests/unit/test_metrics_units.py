@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from sqlalchemy.exc import OperationalError
 
 from outbox_kafka import DuplicateEventId, InvalidKey, UnsafeConnection
-from outbox_kafka.producer.metrics import (
+from outbox_kafka.producer.instruments import (
     ENQUEUE_FAILURE_REASONS,
     ProducerMetrics,
     counts_enqueue_failures,

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from outbox_kafka.cli import build_parser
-from outbox_kafka.cli.reports import age, table
+from outbox_kafka.cli.output import age, table
 from outbox_kafka.errors import InvalidSelection
 from outbox_kafka.operations import Selection
 
