@@ -26,8 +26,8 @@ import time
 from sqlalchemy import Engine, TextClause
 
 from outbox_kafka import Outbox
-from outbox_kafka.queries import queries_for
 from outbox_kafka.relay.store import Store
+from outbox_kafka.schema.statements import queries_for
 
 from .common import BenchContext, PlotPoint, Result, Target, load_average, paired_ratios
 from .producer import ROUTES, SCHEMA_DIR
@@ -159,7 +159,8 @@ def run(ctx: BenchContext) -> list[Result]:
         "enqueue_many, which would take minutes for a million; then VACUUM ANALYZE",
         "backlog: claim = Store.claim(batch_size=1,000) (1,000 keys x 1 event), undone "
         "between calls; oldest_pending_age and pending_events_estimate are the named "
-        "statements of outbox_kafka/sql/queries.sql from outbox_kafka.queries.queries_for, "
+        "statements of outbox_kafka/schema/sql/queries.sql from "
+        "outbox_kafka.schema.statements.queries_for, "
         "each executed and committed on a pooled connection; every figure is the median of "
         "the run's calls, round trip included",
     ]

@@ -30,7 +30,6 @@ from outbox_kafka.errors import (
     UnknownEventType,
     UnsafeConnection,
 )
-from outbox_kafka.migrations import migrate, migration_script
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.event import Event, Route
 from outbox_kafka.producer.outbox import (
@@ -42,6 +41,7 @@ from outbox_kafka.producer.outbox import (
     enqueue_many,
     enqueue_many_async,
 )
+from outbox_kafka.schema.migrations import migrate, migration_script
 from outbox_kafka.version import __version__
 
 __all__ = [

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.exc import ProgrammingError
 
-from outbox_kafka.queries import Queries, pg_int_array, pg_text_array
+from outbox_kafka.schema.statements import Queries, pg_int_array, pg_text_array
 
 log = logging.getLogger("outbox_kafka.retention")
 _INSUFFICIENT_PRIVILEGE = "42501"

@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import Any
 
-from outbox_kafka.adoption import adopt
 from outbox_kafka.database import NO_DATABASE_URL, make_engine
 from outbox_kafka.errors import OutboxError
-from outbox_kafka.migrations import migrate, migration_script
+from outbox_kafka.schema.adoption import adopt
+from outbox_kafka.schema.migrations import migrate, migration_script
 
 from .options import add_database_option, add_table_options, names_from
 
@@ -47,7 +47,7 @@ def add_migrate_parser(sub: Any) -> None:
     p.add_argument(
         "--adopt",
         action="store_true",
-        help="adopt tables made without migrate (from outbox_kafka.tables.metadata, by "
+        help="adopt tables made without migrate (from outbox_kafka.schema.metadata, by "
         "Alembic say): check they have the current shape, add the storage settings and "
         "functions, record the migrations; refused, listing the differences, otherwise",
     )

@@ -19,7 +19,7 @@ migrations' work into the project's own revisions::
 
     context.configure(
         connection=connection,
-        target_metadata=[Base.metadata, outbox_kafka.tables.metadata],
+        target_metadata=[Base.metadata, outbox_kafka.schema.metadata.metadata],
         include_object=outbox_include_object(connection),
     )
 
@@ -36,9 +36,9 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from outbox_kafka.migrations import MigrationResult, applied_versions, apply_migrations
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import raw_migrations
+from outbox_kafka.schema.migrations import MigrationResult, applied_versions, apply_migrations
+from outbox_kafka.schema.statements import raw_migrations
 
 __all__ = ["IncludeObject", "outbox_include_object", "upgrade_outbox"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from outbox_kafka.database import make_engine
 from outbox_kafka.errors import ConfigurationError
-from outbox_kafka.migrations import migrate
+from outbox_kafka.schema.migrations import migrate
 
 from .embedded import (
     EmbeddedBroker,

@@ -28,11 +28,11 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from outbox_kafka.database import make_engine
 from outbox_kafka.demo.embedded import embedded_stack
 from outbox_kafka.logs import configure_logging
-from outbox_kafka.migrations import migrate
 from outbox_kafka.producer.outbox import Outbox
 from outbox_kafka.relay.http_server import ObservabilityServer
 from outbox_kafka.relay.loop import Relay
 from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.schema.migrations import migrate
 from outbox_kafka.validation import shipped_schema_dir
 
 TOPIC = "orders"

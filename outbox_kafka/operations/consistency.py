@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import queries_for
+from outbox_kafka.schema.statements import queries_for
 
 #: The invariant checks of :func:`check_consistency`, by name, each with its statement.
 CONSISTENCY_CHECKS: dict[str, str] = {

@@ -13,9 +13,9 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import OutboxError
-from outbox_kafka.migrations import applied_versions
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import queries_for
+from outbox_kafka.schema.migrations import applied_versions
+from outbox_kafka.schema.statements import queries_for
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _check_migrations(conn: Connection, names: TableNames) -> CheckResult:
         state = "is not migrated" if not applied else "is behind"
         remedy = "run outbox-kafka migrate"
         if not applied and _events_table_exists(conn, names):
-            # Made without migrate: from outbox_kafka.tables.metadata, by Alembic say.
+            # Made without migrate: from outbox_kafka.schema.metadata, by Alembic say.
             state = "exists but was made without outbox-kafka migrate (no version recorded)"
             remedy = "run outbox-kafka migrate --adopt"
         return CheckResult(

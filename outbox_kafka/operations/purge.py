@@ -10,9 +10,9 @@ from sqlalchemy import Engine
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import queries_for
 from outbox_kafka.relay.retention import purge_old_events
 from outbox_kafka.relay.settings import SECONDS_PER_DAY, RelaySettings
+from outbox_kafka.schema.statements import queries_for
 
 #: The relay's retention defaults, so ``purge`` and ``relay`` agree.
 DEFAULT_RETAIN_DELIVERED_SECONDS: float = RelaySettings.retain_delivered_seconds

@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import InvalidSelection, StorageError
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import pg_array, queries_for
+from outbox_kafka.schema.statements import pg_array, queries_for
 
 from .events import DiscardedEvent, ParkedKey
 from .selection import Selection

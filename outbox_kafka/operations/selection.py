@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from outbox_kafka.errors import InvalidSelection
-from outbox_kafka.queries import pg_text_array
+from outbox_kafka.schema.statements import pg_text_array
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,13 @@ from sqlalchemy.orm import Session, scoped_session
 from outbox_kafka.errors import DuplicateEventId, UnsafeConnection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.envelope import EncodedEvent
-from outbox_kafka.queries import Queries, pg_array, pg_int_array, pg_text_array, queries_for
+from outbox_kafka.schema.statements import (
+    Queries,
+    pg_array,
+    pg_int_array,
+    pg_text_array,
+    queries_for,
+)
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -160,7 +166,7 @@ class OutboxWriter:
         the whole engine (kept in a weak set, so short-lived connections such
         as NullPool's do not ask again); any other is kept in the connection's
         ``info``, which lives as long as the pooled connection. Where a function
-        is missing (tables made from :mod:`outbox_kafka.tables`, a database not
+        is missing (tables made from :mod:`outbox_kafka.schema.metadata`, a database not
         migrated that far) or the role lacks EXECUTE, enqueue writes with the
         batch statement instead, which needs the table grants of schema version
         4. The answer assumes that the engine's role keeps its EXECUTE and that

@@ -12,21 +12,21 @@ from alembic import command
 from alembic.config import Config
 
 from outbox_kafka import MigrationError, migrate
-from outbox_kafka.adoption import adopt, describe
 from outbox_kafka.contrib.alembic import outbox_include_object
 from outbox_kafka.database import make_engine
-from outbox_kafka.migrations import applied_versions
 from outbox_kafka.naming import TableNames
+from outbox_kafka.schema.adoption import adopt, describe
+from outbox_kafka.schema.migrations import applied_versions
 from tests.acceptance.test_relay_cli import run_cli
 
 ENV_PY = """
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-import outbox_kafka.tables
+import outbox_kafka.schema.metadata
 
 config = context.config
-target_metadata = outbox_kafka.tables.metadata
+target_metadata = outbox_kafka.schema.metadata.metadata
 
 
 def run_migrations_online() -> None:
@@ -50,7 +50,7 @@ APP_ENV_PY = """
 from alembic import context
 from sqlalchemy import Column, Integer, MetaData, Table, Text, engine_from_config, pool
 
-import outbox_kafka.tables
+import outbox_kafka.schema.metadata
 from outbox_kafka.contrib.alembic import outbox_include_object
 from outbox_kafka.naming import TableNames
 
@@ -61,8 +61,8 @@ Table("scratch", app, Column("id", Integer, primary_key=True))
 OUTBOXES = [TableNames(), *{others!r}]
 others = MetaData()
 for names in OUTBOXES[1:]:
-    outbox_kafka.tables.build_tables(names, others)
-target_metadata = [app, outbox_kafka.tables.metadata, others]
+    outbox_kafka.schema.metadata.build_tables(names, others)
+target_metadata = [app, outbox_kafka.schema.metadata.metadata, others]
 
 
 def not_scratch(obj, name, type_, reflected, compare_to):
@@ -273,7 +273,7 @@ def test_adopting_a_migrated_outbox_changes_nothing_and_a_partial_one_is_refused
 
 
 def test_every_migration_that_makes_tables_has_an_adopt_file() -> None:
-    from outbox_kafka.queries import raw_migrations
+    from outbox_kafka.schema.statements import raw_migrations
 
     for migration in raw_migrations():
         makes_tables = any(
@@ -285,7 +285,7 @@ def test_every_migration_that_makes_tables_has_an_adopt_file() -> None:
 
 
 def _released() -> set[int]:
-    from outbox_kafka.queries import raw_migrations
+    from outbox_kafka.schema.statements import raw_migrations
 
     return {m.version for m in raw_migrations()}
 

@@ -306,7 +306,7 @@ def test_a_batch_keeps_the_order_given_per_key(
 
 
 def drop_enqueue_functions(engine: sa.Engine, outbox: Outbox) -> None:
-    """Leave only the batch statement: as on tables made from outbox_kafka.tables."""
+    """Leave only the batch statement: as on tables made from outbox_kafka.schema.metadata."""
     with engine.begin() as conn:
         conn.exec_driver_sql(
             f"DROP FUNCTION {outbox.names.enqueue_one_signature}, "

@@ -33,8 +33,8 @@ from outbox_kafka import (
     migrate,
 )
 from outbox_kafka.database import make_engine
+from outbox_kafka.schema.metadata import build_tables
 from outbox_kafka.stored_headers import headers_from_json
-from outbox_kafka.tables import build_tables
 from tests.support import (
     BAD_INPUTS,
     EVENT_SCHEMAS,

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from outbox_kafka.database import make_engine
-from outbox_kafka.migrations import migrate
+from outbox_kafka.schema.migrations import migrate
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def psycopg_engine(database_url: str) -> Iterator[sa.Engine]:
 @pytest.fixture(params=["functions", "statement"])
 def path(request: pytest.FixtureRequest, engine: sa.Engine, outbox: Outbox) -> str:
     """Which way events are written: the enqueue functions, or the batch statement where
-    they cannot be called (dropped here, as on tables made from outbox_kafka.tables)."""
+    they cannot be called (dropped here, as on tables made from outbox_kafka.schema.metadata)."""
     if request.param == "statement":
         with engine.begin() as conn:
             conn.exec_driver_sql(

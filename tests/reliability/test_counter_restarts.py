@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge
-from outbox_kafka.queries import pg_array, pg_int_array, pg_text_array, queries_for
+from outbox_kafka.schema.statements import pg_array, pg_int_array, pg_text_array, queries_for
 from tests.relay_support import rows, scalar, wait_until
 
 KEY = "k-restart"

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from outbox_kafka.relay.publisher import Publisher
+from outbox_kafka.relay.settings import RelaySettings
 from sqlalchemy.engine import make_url
 
 from outbox_kafka import (
@@ -28,15 +30,13 @@ from outbox_kafka import (
 )
 from outbox_kafka.database import make_engine
 from outbox_kafka.demo.embedded import free_port
-from outbox_kafka.migrations import migration_script
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.health import HealthChecks
 from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.publisher import Publisher
 from outbox_kafka.relay.sampler import BacklogSampler
-from outbox_kafka.relay.settings import RelaySettings
 from outbox_kafka.relay.store import Store
+from outbox_kafka.schema.migrations import migration_script
 from tests.relay_support import (
     consume_all,
     delivered_count,

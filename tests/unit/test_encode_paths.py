@@ -20,7 +20,7 @@ import pytest
 from outbox_kafka import DataSchemaViolation, Event, MessageTooLarge, Outbox
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.ids import uuid7
-from outbox_kafka.queries import pg_array, pg_int_array, pg_text_array
+from outbox_kafka.schema.statements import pg_array, pg_int_array, pg_text_array
 from outbox_kafka.stored_headers import headers_to_json, message_size
 from tests.support import GOOD_TRACEPARENT, ORDER_CREATED
 

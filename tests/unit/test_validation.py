@@ -20,7 +20,7 @@ from outbox_kafka import (
     TableNames,
     UnknownEventType,
 )
-from outbox_kafka.queries import queries_for, raw_migrations, raw_queries, render
+from outbox_kafka.schema.statements import queries_for, raw_migrations, raw_queries, render
 from tests.support import EVENT_SCHEMAS, ORDER_CREATED
 
 PLACEHOLDER = re.compile(r"\{(\w+)\}")
@@ -136,7 +136,9 @@ def test_missing_schema_dir_is_an_error(tmp_path: Path) -> None:
 
 def _queries_source() -> str:
     return (
-        resources.files("outbox_kafka").joinpath("sql", "queries.sql").read_text(encoding="utf-8")
+        resources.files("outbox_kafka.schema")
+        .joinpath("sql", "queries.sql")
+        .read_text(encoding="utf-8")
     )
 
 

@@ -9,7 +9,7 @@ from sqlalchemy import Connection, Engine, text
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import MigrationError
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import Migration, queries_for
+from outbox_kafka.schema.statements import Migration, queries_for
 
 
 @dataclass(frozen=True)

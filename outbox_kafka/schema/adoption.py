@@ -1,4 +1,4 @@
-"""Adopting outbox tables made without ``outbox-kafka migrate`` (from ``tables.metadata``).
+"""Adopting outbox tables made without ``outbox-kafka migrate`` (from ``schema.metadata``).
 
 A project that let Alembic's autogenerate create the outbox tables has their
 shape but not the migrations' record, storage settings or functions, so no
@@ -19,9 +19,9 @@ from sqlalchemy import Connection, Engine, text
 
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import MigrationError
-from outbox_kafka.migrations import MigrationResult, applied_versions
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import queries_for
+from outbox_kafka.schema.migrations import MigrationResult, applied_versions
+from outbox_kafka.schema.statements import queries_for
 
 #: The parts of the shape compared before adopting; storage settings and
 #: functions are what adopting adds.
