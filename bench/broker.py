@@ -10,7 +10,7 @@ from typing import Any
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.config import RelaySettings
 
 #: Partitions of every measured topic.
 PARTITIONS = 6

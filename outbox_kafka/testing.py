@@ -32,18 +32,20 @@ from outbox_kafka.naming import TableNames
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.outbox import Event, Outbox
 from outbox_kafka.producer.writing import Connectable, OutboxWriter
-from outbox_kafka.relay.batches import (
+from outbox_kafka.relay.batch import (
     Claim,
     ClaimedEvent,
     ClaimedKey,
     EventOutcome,
+    EventStatus,
     KeyOutcome,
+    Problem,
     RecordResult,
+    Verdict,
 )
-from outbox_kafka.relay.boundaries import Delivery, Message
+from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.relay.reports import HELD_REASONS_SHOWN, Remaining
-from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
-from outbox_kafka.relay.wakeups import Wakeups
+from outbox_kafka.relay.wake import Wakeups
 from outbox_kafka.stored_headers import headers_size
 
 if TYPE_CHECKING:

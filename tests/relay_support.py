@@ -22,11 +22,11 @@ from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, TopicPartition
-from outbox_kafka.relay.settings import RelaySettings
 
 from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay import CycleReport, Relay
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.schema.statements import queries_for
 
 # --------------------------------------------------------------------------- settings

@@ -11,8 +11,8 @@ from outbox_kafka.database import NO_DATABASE_URL, redact_url, short_command_eng
 from outbox_kafka.errors import OutboxError
 from outbox_kafka.logs import register_secrets
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay.outboxes import OutboxTarget
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.group import OutboxTarget
 
 from . import output
 from .operator_commands import cmd_check_consistency

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from outbox_kafka import operations
 from outbox_kafka.database import redact_url, short_command_engine, url_secrets
 from outbox_kafka.logs import register_secrets
-from outbox_kafka.relay.settings import SECONDS_PER_DAY
+from outbox_kafka.relay.config import SECONDS_PER_DAY
 
 from . import output
 from .options import (

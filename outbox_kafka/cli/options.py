@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.config import RelaySettings
 
 #: What a command's handler is: the parsed arguments in, the exit status out.
 Handler = Callable[[argparse.Namespace], int]

@@ -20,7 +20,7 @@ from outbox_kafka.operations import (
     RequeueResult,
     UnparkResult,
 )
-from outbox_kafka.relay.settings import SECONDS_PER_DAY
+from outbox_kafka.relay.config import SECONDS_PER_DAY
 
 #: Longer cells (error messages) are cut in tables; ``--json`` has them whole.
 MAX_CELL = 72

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from outbox_kafka.database import url_secrets
 from outbox_kafka.errors import ConfigurationError, OutboxError
 from outbox_kafka.logs import LOG_FORMATS, configure_logging
-from outbox_kafka.relay.settings import (
+from outbox_kafka.relay.config import (
     COMPRESSIONS,
     SECONDS_PER_DAY,
     RelaySettings,
@@ -23,10 +23,9 @@ from outbox_kafka.relay.settings import (
 from .options import add_database_option, add_flag, add_option, add_table_options
 
 if TYPE_CHECKING:
-    from outbox_kafka.relay.group import RelayGroup
-    from outbox_kafka.relay.http_server import ObservabilityServer
+    from outbox_kafka.relay.group import OutboxTarget, RelayGroup
     from outbox_kafka.relay.loop import Relay
-    from outbox_kafka.relay.outboxes import OutboxTarget
+    from outbox_kafka.relay.serve import ObservabilityServer
 
 #: Where ``relay`` serves /metrics, /healthz and /readyz unless told otherwise.
 DEFAULT_METRICS_PORT = 9400
@@ -39,7 +38,7 @@ def outbox_targets(args: argparse.Namespace) -> list[OutboxTarget] | None:
     """The outboxes of ``--outboxes-file``, or None without one."""
     if not args.outboxes_file:
         return None
-    from outbox_kafka.relay.outboxes import load_outboxes
+    from outbox_kafka.relay.group import load_outboxes
 
     return load_outboxes(
         args.outboxes_file,
@@ -91,7 +90,7 @@ def relay_settings(
         sample_interval=args.sample_interval,
     )
     if targets:
-        from outbox_kafka.relay.outboxes import settings_for
+        from outbox_kafka.relay.group import settings_for
 
         for target in targets:
             settings_for(shared, target)  # each outbox's own settings, refused at once
@@ -120,8 +119,8 @@ def _start_server(
     A port given explicitly must be free (else exit 2); the default port, when
     taken (several relays on one host), is skipped with a warning.
     """
-    from outbox_kafka.relay.http_server import ObservabilityServer
     from outbox_kafka.relay.loop import Relay
+    from outbox_kafka.relay.serve import ObservabilityServer
 
     port = _metrics_port(args)
     if port is None:

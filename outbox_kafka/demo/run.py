@@ -29,9 +29,9 @@ from outbox_kafka.database import make_engine
 from outbox_kafka.demo.embedded import embedded_stack
 from outbox_kafka.logs import configure_logging
 from outbox_kafka.producer.outbox import Outbox
-from outbox_kafka.relay.http_server import ObservabilityServer
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.loop import Relay
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.serve import ObservabilityServer
 from outbox_kafka.schema.migrations import migrate
 from outbox_kafka.validation import shipped_schema_dir
 

@@ -10,8 +10,8 @@ from sqlalchemy import Engine
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay.retention import purge_old_events
-from outbox_kafka.relay.settings import SECONDS_PER_DAY, RelaySettings
+from outbox_kafka.purging import purge_old_events
+from outbox_kafka.relay.config import SECONDS_PER_DAY, RelaySettings
 from outbox_kafka.schema.statements import queries_for
 
 #: The relay's retention defaults, so ``purge`` and ``relay`` agree.

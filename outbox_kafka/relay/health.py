@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 from outbox_kafka.errors import StorageError
 from outbox_kafka.logs import redact
-from outbox_kafka.relay.monitoring import Monitor
+from outbox_kafka.relay.sampler import Monitor
 
 if TYPE_CHECKING:
+    from outbox_kafka.relay.config import RelaySettings
     from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.loop import Relay
-    from outbox_kafka.relay.settings import RelaySettings
 
 log = logging.getLogger("outbox_kafka.health")
 

@@ -1,11 +1,14 @@
 """The relay loop: claim a batch, publish it, record the outcome, repeat.
 
-One cycle is: claim (one short transaction) -> check and produce every
-claimed event -> wait once for all delivery reports -> record the outcome
-(one fenced statement). No transaction is open while messages are in flight.
-What to send and what becomes of each event is decided elsewhere
-(:mod:`~outbox_kafka.relay.sending`, :mod:`~outbox_kafka.relay.policy`); this
-module keeps the lifecycle and the pipeline. The producer API never imports it.
+One cycle is: claim (one short transaction, :mod:`~outbox_kafka.relay.claim`)
+-> check and produce every claimed event -> wait once for all delivery reports
+(:mod:`~outbox_kafka.relay.send`) -> record the outcome (one fenced statement in
+the store). No transaction is open while messages are in flight. What to send
+and what becomes of each event is decided in :mod:`~outbox_kafka.relay.decide`;
+this module keeps the lifecycle, the pipeline and the record step, the database
+steps' retries through transient failures (:class:`DatabaseRetry`), and the
+supervised side loops (:class:`SupervisedLoop`: retention, the backlog sampler).
+The producer API never imports it.
 """
 
 from __future__ import annotations
@@ -13,27 +16,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from outbox_kafka.errors import StorageError
-from outbox_kafka.relay.background import SupervisedLoop
-from outbox_kafka.relay.batches import Claim, KeyOutcome
-from outbox_kafka.relay.boundaries import ClaimStore, MessagePublisher
+from outbox_kafka.relay.batch import Claim, KeyOutcome
+from outbox_kafka.relay.claim import Claimed, Claimer, worth_reading_ahead
+from outbox_kafka.relay.config import RelaySettings, redact_kafka_config
+from outbox_kafka.relay.decide import RetryPolicy
+from outbox_kafka.relay.kafka import Publisher
+from outbox_kafka.relay.lease import Lease
 from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.policy import RetryPolicy
-from outbox_kafka.relay.publisher import Publisher
+from outbox_kafka.relay.ports import ClaimStore, MessagePublisher
 from outbox_kafka.relay.reports import CycleReport, DrainResult
 from outbox_kafka.relay.retention import Retention
 from outbox_kafka.relay.sampler import BacklogSampler
-from outbox_kafka.relay.sending import SentBatch
-from outbox_kafka.relay.settings import RelaySettings, redact_kafka_config
-from outbox_kafka.relay.sizing import worth_reading_ahead
-from outbox_kafka.relay.steps import Claimed, CycleSteps
+from outbox_kafka.relay.send import BatchSender, SentBatch
 from outbox_kafka.relay.store import Store
 from outbox_kafka.relay.tracing import SendTracing
-from outbox_kafka.relay.waiting import Waiting
+from outbox_kafka.relay.wake import Waiting
 
 log = logging.getLogger("outbox_kafka.relay")
+
+T = TypeVar("T")
 
 
 class Relay:
@@ -63,16 +71,24 @@ class Relay:
         self._stop = threading.Event()
         self._stop_deadline: float | None = None
         self.policy = RetryPolicy.from_settings(settings)
-        self._steps = CycleSteps(
-            settings,
-            self.store,
-            self.publisher,
-            self.metrics,
-            self.policy,
-            self._stop,
-            self._past_shutdown_deadline,
-            SendTracing(tracer_provider),
+        self._db = DatabaseRetry(self._stop, self._past_shutdown_deadline, self.metrics)
+        self.lease = Lease(settings.lease_seconds, settings.effective_delivery_timeout_ms / 1000)
+        self._claim_step = Claimer(
+            self._take_claim,
+            batch_size=settings.batch_size,
+            max_message_bytes=self.publisher.max_message_bytes,
+            metrics=self.metrics,
         )
+        self._sender = BatchSender(
+            self.publisher,
+            self.policy,
+            self.metrics,
+            dead_letter_topic=settings.dead_letter_topic,
+            lease=self.lease,
+            abort=self._past_shutdown_deadline,
+            tracing=SendTracing(tracer_provider),
+        )
+        self._last_cycle_at: float | None = None
         self._waiting = Waiting(
             self.store.wakeups() if settings.listen else None, settings.poll_interval, self._stop
         )
@@ -91,12 +107,12 @@ class Relay:
     @property
     def last_cycle_at(self) -> float | None:
         """``time.monotonic()`` when the last cycle finished; None before the first."""
-        return self._steps.last_cycle_at
+        return self._last_cycle_at
 
     @property
     def waiting_on_database(self) -> bool:
         """Whether a database step is retrying: the loop waits for the database, not stuck."""
-        return self._steps.db.waiting
+        return self._db.waiting
 
     # Control -----------------------------------------------------------------
 
@@ -124,7 +140,10 @@ class Relay:
         purger = SupervisedLoop(
             "purge", self.purge_once, self._retention.delay, self.metrics, stop_event=self._stop
         ).start()
-        sampler = BacklogSampler(self.settings, self.metrics).start()
+        sampler = BacklogSampler(self.settings, self.metrics)
+        sampling = SupervisedLoop(
+            "sampler", sampler.sample_once, sampler.delay, self.metrics
+        ).start()
         try:
             while not self._stop.is_set():
                 _, progressed = self._guarded_cycle()
@@ -139,6 +158,7 @@ class Relay:
             # Also after an error: the shutdown deadline bounds the last records.
             self.stop()
             purger.stop()
+            sampling.stop()
             sampler.stop()
             self.close()
             log.info("relay stopped", extra={"action": "stop", "relay_id": self.settings.relay_id})
@@ -173,7 +193,7 @@ class Relay:
         while True:
             total.add(self.drain())
             try:
-                left = self._steps.db.run(
+                left = self._db.run(
                     self.store.remaining,
                     stop_on_shutdown=True,
                     give_up=lambda: time.monotonic() > deadline,
@@ -219,14 +239,14 @@ class Relay:
             return done, False
         claim, asked = claimed.claim, claimed.asked
         if not self._stop.is_set() and worth_reading_ahead(claim, asked, self.settings.batch_size):
-            self._claiming = self._claimer.submit(self._steps.claim)
+            self._claiming = self._claimer.submit(self._claim_step.claim)
         previous = self._await_recording()
         if previous is None:
             # The batch before could not be recorded: this one is not sent, so a
             # relay leaves at most one batch unrecorded. Its keys wait for their lease.
             return done, False
         done.add(previous)
-        claim, sent = self._steps.send(claimed)
+        claim, sent = self._send(claimed)
         if sent.sent:
             self._recording = self._recorder.submit(self._record, claim, sent)
             return done, True
@@ -249,7 +269,7 @@ class Relay:
         report = self._await_recording()
         if report is None:
             return CycleReport()  # not sent: see _guarded_cycle
-        report.add(self._record(*self._steps.send(self._next_claim())))
+        report.add(self._record(*self._send(self._next_claim())))
         return report
 
     def _next_claim(self) -> Claimed:
@@ -257,8 +277,7 @@ class Relay:
         claiming, self._claiming = self._claiming, None
         if claiming is not None:
             claimed = claiming.result()
-            lease_left = self.settings.lease_seconds - (time.monotonic() - claimed.asked_at)
-            if lease_left >= self._steps.delivery_timeout:
+            if self.lease.still_usable(claimed.asked_at):
                 return claimed
             # It waited behind a slow send: what is left of its lease would not
             # cover a send of its own, so its keys could pass to another relay
@@ -268,7 +287,25 @@ class Relay:
                 extra={"action": "release", "keys": len(claimed.claim.keys)},
             )
             self._release(claimed.claim)
-        return self._steps.claim()
+        return self._claim_step.claim()
+
+    def _take_claim(self, max_keys: int) -> Claim:
+        """The store's claim of up to ``max_keys`` keys, retried until it succeeds or the
+        relay stops."""
+        return self._db.run(
+            lambda: self.store.claim(
+                batch_size=self.settings.batch_size,
+                lease_seconds=self.settings.lease_seconds,
+                max_keys=max_keys,
+                max_bytes=self.settings.max_claim_bytes,
+            ),
+            stop_on_shutdown=True,
+        )
+
+    def _send(self, claimed: Claimed) -> tuple[Claim, SentBatch]:
+        """The send step: the next claim is sized after this one, then it is sent."""
+        self._claim_step.adapt(claimed)
+        return self._sender.send_claimed(claimed)
 
     def _release_prefetched(self) -> None:
         """Give back the keys of a claim read ahead that will not be sent."""
@@ -311,8 +348,165 @@ class Relay:
             return None
 
     def _record(self, claim: Claim, sent: SentBatch) -> CycleReport:
-        return self._steps.record(claim, sent)
+        """The record step: a sent batch's outcome in one fenced statement, counted."""
+        report = CycleReport(keys=len(claim.keys), sent=sent.sent)
+        if not claim.keys:
+            self._last_cycle_at = time.monotonic()
+            return report
+        started = time.monotonic()
+        result = self._db.run(
+            lambda: self.store.record(claim.token, sent.keys, sent.events),
+            stop_on_shutdown=False,
+        )
+        self.metrics.record_seconds.observe(time.monotonic() - started)
+        report.keys_removed = result.keys_removed
+        report.delivered = result.delivered
+        report.retried = result.retried
+        report.discarded = result.discarded
+        report.leases_lost = len(sent.keys) - result.keys_owned
+        if report.leases_lost:
+            self.metrics.leases_lost.inc(report.leases_lost)
+            log.warning(
+                "lease lost: another relay took over keys while this batch was in flight",
+                extra={"action": "lease_lost", "keys": report.leases_lost},
+            )
+        for latency in result.latencies:
+            self.metrics.commit_to_ack_seconds.observe(latency)
+        self._last_cycle_at = time.monotonic()
+        return report
 
     def purge_once(self) -> None:
         """Delete delivered and discarded events past their retention, in bounded batches."""
         self._retention.run_once()
+
+
+#: A database step unanswered this long counts as waiting for the database.
+SLOW_STEP_SECONDS = 5.0
+
+
+class DatabaseRetry:
+    """Runs a database step until it succeeds or the relay may give it up.
+
+    Claims give up when the relay is stopping; recording an outcome keeps
+    trying until the shutdown deadline, since Kafka already has the messages.
+    """
+
+    def __init__(
+        self,
+        stopping: threading.Event,
+        past_shutdown_deadline: Callable[[], bool],
+        metrics: RelayMetrics,
+    ) -> None:
+        self._stopping = stopping
+        self._past_deadline = past_shutdown_deadline
+        self._metrics = metrics
+        #: By thread (the claim and the record run on their own): when its step began.
+        self._running_since: dict[int, float] = {}
+        #: Threads whose step failed and waits to be retried.
+        self._failing: set[int] = set()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a step waits for the database: failed and retrying, or long unanswered.
+
+        A connection to a host that vanished without a reset hangs until the
+        operating system gives up, with no error to retry on meanwhile.
+        """
+        now = time.monotonic()
+        running = list(self._running_since.values())
+        return bool(self._failing) or any(now - began > SLOW_STEP_SECONDS for began in running)
+
+    def run(
+        self,
+        action: Callable[[], T],
+        *,
+        stop_on_shutdown: bool,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> T:
+        """``action()``, retried on StorageError; ``give_up`` may end the retries sooner."""
+        me = threading.get_ident()
+
+        def should_stop(state: RetryCallState) -> bool:
+            if give_up():
+                return True
+            return self._stopping.is_set() if stop_on_shutdown else self._past_deadline()
+
+        def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            self._metrics.db_errors.inc()
+            self._failing.add(me)
+            log.warning(
+                "database error, retrying",
+                extra={"action": "db_retry", "attempt": state.attempt_number, "error": str(exc)},
+            )
+
+        def sleep(seconds: float) -> None:
+            if stop_on_shutdown:
+                self._stopping.wait(seconds)
+            else:
+                time.sleep(seconds)
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(StorageError),
+            wait=wait_exponential_jitter(multiplier=0.1, max=5.0, jitter=0.1),
+            stop=should_stop,
+            before_sleep=before_sleep,
+            sleep=sleep,
+            reraise=True,
+        )
+        self._running_since[me] = time.monotonic()
+        try:
+            return retrying(action)
+        finally:
+            self._running_since.pop(me, None)
+            self._failing.discard(me)
+
+
+class SupervisedLoop:
+    """Runs ``step`` in a daemon thread, waiting ``delay()`` seconds before each
+    run, until :meth:`stop` (or ``stop_event``) is set."""
+
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[], object],
+        delay: Callable[[], float],
+        metrics: RelayMetrics,
+        *,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.name = name
+        self._step = step
+        self._delay = delay
+        self._metrics = metrics
+        self._stop = stop_event or threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"outbox-{name}", daemon=True)
+
+    def start(self) -> SupervisedLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the loop to end and wait up to ``timeout`` seconds for its step to finish."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._delay()):
+            self.run_step()
+
+    def run_step(self) -> None:
+        """Run one step now; an error is logged and counted, never raised."""
+        try:
+            self._step()
+        except Exception as exc:
+            self._metrics.background_errors.labels(task=self.name).inc()
+            log.exception(
+                "background task failed; it runs again at its next interval",
+                extra={"action": "background_error", "task": self.name, "error": str(exc)},
+            )

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from outbox_kafka.version import __version__
+
 if TYPE_CHECKING:
-    from outbox_kafka.relay.settings import RelaySettings
+    from outbox_kafka.relay.config import RelaySettings
 
 log = logging.getLogger("outbox_kafka.metrics")
 
@@ -183,8 +185,6 @@ class RelayMetrics:
         self.info = Info("outbox_relay", "Relay version and settings digest.", registry=r)
 
     def set_info(self, settings: RelaySettings) -> None:
-        from outbox_kafka import __version__
-
         self.info.info(
             {
                 "version": __version__,

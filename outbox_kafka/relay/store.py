@@ -20,19 +20,19 @@ from sqlalchemy import Engine
 from outbox_kafka.database import make_engine, redact_url, storage_errors
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES
 from outbox_kafka.naming import TableNames
+from outbox_kafka.purging import purge_old_events
 from outbox_kafka.queries import pg_array, pg_int_array, pg_text_array, queries_for
-from outbox_kafka.relay.batches import (
+from outbox_kafka.relay.batch import (
     Claim,
     ClaimedEvent,
     ClaimedKey,
     EventOutcome,
+    EventStatus,
     KeyOutcome,
     RecordResult,
 )
 from outbox_kafka.relay.reports import Remaining
-from outbox_kafka.relay.retention import purge_old_events
-from outbox_kafka.relay.verdicts import EventStatus
-from outbox_kafka.relay.wakeups import Wakeups
+from outbox_kafka.relay.wake import Wakeups
 from outbox_kafka.stored_headers import headers_from_text
 
 #: A claim of up to N keys first moves producers' arrivals into the key queue,
@@ -59,7 +59,7 @@ def _speaks_utf8(dbapi_connection: Any) -> bool:
 
 
 class Store:
-    """The relay's access to one outbox (see :class:`~outbox_kafka.relay.boundaries.ClaimStore`)."""
+    """The relay's access to one outbox (see :class:`~outbox_kafka.relay.ports.ClaimStore`)."""
 
     def __init__(self, database_url: str, names: TableNames, *, engine: Engine | None = None):
         self.names = names

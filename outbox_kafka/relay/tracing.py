@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from outbox_kafka.relay.boundaries import Delivery, Message
-from outbox_kafka.relay.verdicts import Verdict
+from outbox_kafka.relay.batch import Verdict
+from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.version import __version__
 
 _TRACEPARENT = "traceparent"
 
@@ -49,8 +50,6 @@ class SendTracing:
         provider = self._provider or _otel.get_tracer_provider()
         if isinstance(provider, _otel.ProxyTracerProvider | _otel.NoOpTracerProvider):
             return None  # no SDK configured: no spans to make
-        from outbox_kafka import __version__
-
         return provider.get_tracer("outbox_kafka.relay", __version__)
 
     def start(self, messages: Sequence[Message]) -> tuple[list[Message], list[Any]]:

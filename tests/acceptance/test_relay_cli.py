@@ -19,7 +19,7 @@ from outbox_kafka.limits import (
     enqueue_limit_for,
 )
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     consume_all,

@@ -19,7 +19,7 @@ from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import check_consistency
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
+from outbox_kafka.relay.batch import EventOutcome, KeyOutcome
 from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     admit_arrivals,

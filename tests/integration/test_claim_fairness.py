@@ -19,10 +19,9 @@ import sqlalchemy as sa
 
 from outbox_kafka import Event
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batches import Claim, EventOutcome, KeyOutcome
-from outbox_kafka.relay.boundaries import ClaimStore
+from outbox_kafka.relay.batch import Claim, EventOutcome, EventStatus, KeyOutcome
+from outbox_kafka.relay.ports import ClaimStore
 from outbox_kafka.relay.store import Store
-from outbox_kafka.relay.verdicts import EventStatus
 from outbox_kafka.testing import InMemoryStore
 from tests.relay_support import (
     consume_all,

@@ -22,13 +22,12 @@ from outbox_kafka.errors import InvalidSelection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge, requeue
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
-from outbox_kafka.relay.boundaries import Delivery, Message
-from outbox_kafka.relay.monitoring import Monitor
-from outbox_kafka.relay.publisher import Publisher
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.batch import EventOutcome, KeyOutcome, Verdict
+from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.kafka import Publisher
+from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.relay.sampler import Monitor
 from outbox_kafka.relay.store import Store
-from outbox_kafka.relay.verdicts import Verdict
 from tests.relay_support import (
     admit_arrivals,
     consume_all,

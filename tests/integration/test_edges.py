@@ -15,7 +15,7 @@ from outbox_kafka import Event
 from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker
 from outbox_kafka.operations import remaining_work, requeue_events, unpark_keys
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.config import RelaySettings
 from tests.relay_support import consume_all, make_settings, per_key_order, rows, topic_outbox
 
 

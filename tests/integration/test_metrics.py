@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kafka.relay.settings import RelaySettings
 from prometheus_client import REGISTRY, CollectorRegistry
 
 import outbox_kafka
@@ -23,6 +22,7 @@ from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import unpark_keys
 from outbox_kafka.relay import Relay
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.sampler import BacklogSampler
 from outbox_kafka.schema.statements import queries_for

@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
 
 from outbox_kafka import Event
 from outbox_kafka.errors import ConfigurationError, InvalidSelection
@@ -28,6 +27,7 @@ from outbox_kafka.operations import (
     unpark,
     unpark_keys,
 )
+from outbox_kafka.relay.batch import EventOutcome, KeyOutcome
 from outbox_kafka.relay.reports import CycleReport, DrainResult
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.statements import queries_for

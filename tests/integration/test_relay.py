@@ -25,8 +25,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-from outbox_kafka.relay.batches import EventOutcome, KeyOutcome
-from outbox_kafka.relay.settings import RelaySettings
 
 from outbox_kafka import Event
 from outbox_kafka.demo.embedded import EmbeddedBroker
@@ -34,6 +32,8 @@ from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYT
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
 from outbox_kafka.relay import CycleReport, Relay
+from outbox_kafka.relay.batch import EventOutcome, KeyOutcome
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.statements import pg_array, pg_int_array, pg_text_array, queries_for
 from outbox_kafka.stored_headers import headers_from_json, message_size

@@ -16,9 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from outbox_kafka import migrate
 from outbox_kafka.database import make_engine
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay.group import RelayGroup
-from outbox_kafka.relay.http_server import ObservabilityServer
-from outbox_kafka.relay.outboxes import load_outboxes
+from outbox_kafka.relay.group import RelayGroup, load_outboxes
+from outbox_kafka.relay.serve import ObservabilityServer
 from tests.acceptance.test_relay_cli import run_cli
 from tests.relay_support import (
     consume_all,

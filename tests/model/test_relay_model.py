@@ -50,13 +50,21 @@ from tenacity import wait_fixed
 
 from outbox_kafka import Event, Outbox
 from outbox_kafka.errors import StorageError
-from outbox_kafka.relay import Relay, retrying
-from outbox_kafka.relay.batches import Claim, EventOutcome, KeyOutcome, RecordResult
-from outbox_kafka.relay.boundaries import Delivery, Message
-from outbox_kafka.relay.publisher import classify
+from outbox_kafka.relay import Relay
+from outbox_kafka.relay import loop as relay_loop
+from outbox_kafka.relay.batch import (
+    Claim,
+    EventOutcome,
+    EventStatus,
+    KeyOutcome,
+    Problem,
+    RecordResult,
+    Verdict,
+)
+from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.kafka import classify
+from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.relay.reports import Remaining
-from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
 from outbox_kafka.testing import InMemoryStore
 
 #: Claims in a row a due key may be left out of by the byte budget while a key
@@ -340,8 +348,8 @@ class RelayModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         # Database retries a few milliseconds apart, not a tenth of a second and more.
-        self._wait = retrying.wait_exponential_jitter
-        retrying.wait_exponential_jitter = lambda **_: wait_fixed(0.005)  # type: ignore[assignment]
+        self._wait = relay_loop.wait_exponential_jitter
+        relay_loop.wait_exponential_jitter = lambda **_: wait_fixed(0.005)  # type: ignore[assignment]
         self.lock = threading.RLock()
         self.clock = Clock()
         self.store = InMemoryStore(clock=self.clock)
@@ -648,7 +656,7 @@ class RelayModel(RuleBasedStateMachine):
                 if stored.status == EventStatus.DELIVERED:
                     assert stored.event_id in landed, f"recorded delivered, never landed: {stored}"
         finally:
-            retrying.wait_exponential_jitter = self._wait  # type: ignore[assignment]
+            relay_loop.wait_exponential_jitter = self._wait  # type: ignore[assignment]
             for relay, _, _ in self.relays:
                 relay._recorder.shutdown(wait=False)
                 relay._claimer.shutdown(wait=False)

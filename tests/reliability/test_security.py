@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kafka.relay.publisher import Publisher
-from outbox_kafka.relay.settings import RelaySettings
 from sqlalchemy.engine import make_url
 
 from outbox_kafka import (
@@ -32,7 +30,9 @@ from outbox_kafka.database import make_engine
 from outbox_kafka.demo.embedded import free_port
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay import Relay
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.health import HealthChecks
+from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.metrics import RelayMetrics
 from outbox_kafka.relay.sampler import BacklogSampler
 from outbox_kafka.relay.store import Store
@@ -473,7 +473,7 @@ def test_a_valid_custom_name_is_quoted_everywhere_it_is_used(engine: sa.Engine) 
 def test_metrics_and_health_endpoints_expose_no_payload_data(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:
-    from outbox_kafka.relay.http_server import ObservabilityServer
+    from outbox_kafka.relay.serve import ObservabilityServer
 
     marker = f"payload-{uuid.uuid4().hex}"
     topic = new_topic(1)

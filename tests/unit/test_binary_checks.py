@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from outbox_kafka import Event, Outbox
-from outbox_kafka.relay.checks import check_binary_attributes, is_binary_mode
+from outbox_kafka.relay.claim import check_binary_attributes, is_binary_mode
 
 
 def _headers() -> tuple[list[tuple[str, bytes]], str]:

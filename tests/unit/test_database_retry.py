@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from outbox_kafka.errors import StorageError
-from outbox_kafka.relay import retrying
+from outbox_kafka.relay import loop as relay_loop
+from outbox_kafka.relay.loop import DatabaseRetry
 from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.retrying import DatabaseRetry
 
 
 def _retry() -> DatabaseRetry:
@@ -30,7 +30,7 @@ def _wait_for(condition: object, timeout: float = 5.0) -> bool:
 def test_a_step_that_hangs_counts_as_waiting_and_stops_counting_when_it_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(retrying, "SLOW_STEP_SECONDS", 0.05)
+    monkeypatch.setattr(relay_loop, "SLOW_STEP_SECONDS", 0.05)
     db = _retry()
     release = threading.Event()
     step = threading.Thread(target=db.run, args=(release.wait,), kwargs={"stop_on_shutdown": True})

@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from outbox_kafka import cli
+from outbox_kafka.relay.config import SECRET_KAFKA_KEYS, RelaySettings, kafka_config_from_env
 from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.settings import SECRET_KAFKA_KEYS, RelaySettings, kafka_config_from_env
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DEPLOY = REPO / "deploy"

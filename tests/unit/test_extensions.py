@@ -21,7 +21,7 @@ from outbox_kafka import (
 )
 from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.extensions import RESERVED
-from outbox_kafka.relay.checks import check_binary_attributes, check_envelope
+from outbox_kafka.relay.claim import check_binary_attributes, check_envelope
 from outbox_kafka.stored_headers import headers_from_json, headers_from_text
 from tests.support import EVENT_SCHEMAS, GOOD_TRACEPARENT, ORDER_CREATED
 

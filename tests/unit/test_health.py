@@ -18,10 +18,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from outbox_kafka import ConfigurationError
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.health import FailureLog, HealthChecks, default_max_cycle_age
-from outbox_kafka.relay.http_limits import HttpLimits
-from outbox_kafka.relay.http_server import ObservabilityServer
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.serve import HttpLimits, ObservabilityServer
 from tests.support import LogRecords
 
 #: What a test allows beyond a server-side timeout before calling it missed

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from outbox_kafka import Event
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batches import Claim, KeyOutcome
-from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.verdicts import EventStatus, Verdict
+from outbox_kafka.relay.batch import Claim, EventStatus, KeyOutcome, Verdict
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.testing import InMemoryStore, StubPublisher
 
 

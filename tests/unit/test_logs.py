@@ -21,7 +21,7 @@ from outbox_kafka.logs import (
     redact,
     register_secrets,
 )
-from outbox_kafka.relay.settings import (
+from outbox_kafka.relay.config import (
     RelaySettings,
     is_secret_kafka_key,
     kafka_config_from_file,

@@ -18,8 +18,8 @@ from outbox_kafka.producer.instruments import (
     enqueue_failure_reason,
     producer_metrics,
 )
+from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.settings import RelaySettings
 
 BASE = {"database_url": "postgresql://u@h/d", "bootstrap_servers": "k:9092"}
 

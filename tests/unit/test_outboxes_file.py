@@ -8,9 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from outbox_kafka import ConfigurationError
-from outbox_kafka.relay.outbox_metrics import outbox_labelled_registry
-from outbox_kafka.relay.outboxes import load_outboxes, settings_for
-from outbox_kafka.relay.settings import RelaySettings
+from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.group import load_outboxes, outbox_labelled_registry, settings_for
 
 
 def load(tmp_path: Path, text: str, *, database_url: str | None = "postgresql://h/app") -> list:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from outbox_kafka.logs import LIBRDKAFKA_LOGGER
-from outbox_kafka.relay.boundaries import Message
-from outbox_kafka.relay.publisher import Publisher
-from outbox_kafka.relay.verdicts import Verdict
+from outbox_kafka.relay.batch import Verdict
+from outbox_kafka.relay.kafka import Publisher
+from outbox_kafka.relay.ports import Message
 
 
 class _Reported:

@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from outbox_kafka.relay.batches import Claim, ClaimedEvent, ClaimedKey
-from outbox_kafka.relay.policy import backoff_delay
-from outbox_kafka.relay.sizing import ClaimSizer
+from outbox_kafka.relay.batch import Claim, ClaimedEvent, ClaimedKey
+from outbox_kafka.relay.claim import ClaimSizer
+from outbox_kafka.relay.decide import backoff_delay
 
 
 def test_backoff_grows_exponentially_with_jitter_and_stays_under_the_cap() -> None:

@@ -14,12 +14,11 @@ from confluent_kafka import KafkaError
 from outbox_kafka import DuplicateEventId, Event, InvalidKey, Outbox
 from outbox_kafka.errors import StorageError
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey, KeyOutcome
-from outbox_kafka.relay.boundaries import Delivery, Message
-from outbox_kafka.relay.policy import BatchResults, Hold, RetryPolicy
-from outbox_kafka.relay.publisher import Publisher, classify
-from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.verdicts import EventStatus, Verdict
+from outbox_kafka.relay.batch import ClaimedEvent, ClaimedKey, EventStatus, KeyOutcome, Verdict
+from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.decide import BatchResults, Hold, RetryPolicy
+from outbox_kafka.relay.kafka import Publisher, classify
+from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.testing import InMemoryStore, StubPublisher
 
 
@@ -165,8 +164,10 @@ def test_discards_lists_what_settle_discards_when_copies_succeed() -> None:
     results = BatchResults(
         deliveries={id(e): _reported(Verdict.RETRIABLE, "TIMED_OUT: x") for e in events}
     )
-    assert [d.event for d in _policy().discards(key, events, results, 10)] == events
-    assert [d.event for d in _policy(park=True).discards(key, events, results, 10)] == events[:1]
+    wanted = _policy().settle(key, events, results, 10, copy_unknown=None).copies_to_send
+    parked = _policy(park=True).settle(key, events, results, 10, copy_unknown=None).copies_to_send
+    assert [d.event for d in wanted] == events
+    assert [d.event for d in parked] == events[:1]
 
 
 # ---------------------------------------------------------------- the relay on the fakes
@@ -563,7 +564,7 @@ def test_the_topic_limit_is_not_told_by_a_broker_that_does_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A timeout reading the limit once stopped the relay; now the send decides.
-    monkeypatch.setattr("outbox_kafka.relay.publisher.AdminClient", _SilentAdmin)
+    monkeypatch.setattr("outbox_kafka.relay.kafka.AdminClient", _SilentAdmin)
     publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {}, metadata_timeout=0.1)
     try:
         assert publisher.message_limit("t") is None

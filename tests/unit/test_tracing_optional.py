@@ -21,7 +21,7 @@ def test_without_opentelemetry_enqueue_and_the_relay_trace_nothing() -> None:
         sys.meta_path.insert(0, Hide())
         import outbox_kafka
         from outbox_kafka.producer.trace_context import current_traceparent
-        from outbox_kafka.relay.boundaries import Delivery, Message
+        from outbox_kafka.relay.ports import Delivery, Message
         from outbox_kafka.relay.tracing import SendTracing
 
         assert current_traceparent() is None

@@ -1,7 +1,7 @@
 """The relay's Kafka boundary: one idempotent producer, a batch in flight, one wait.
 
 Everything confluent-kafka raises or reports is translated here into a
-:class:`~outbox_kafka.relay.boundaries.Delivery` with a :class:`Verdict`, so
+:class:`~outbox_kafka.relay.ports.Delivery` with a :class:`Verdict`, so
 the relay loop never imports confluent_kafka.
 """
 
@@ -26,11 +26,12 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.limits import KAFKA_MESSAGE_MAX_BYTES
 from outbox_kafka.logs import librdkafka_logger
-from outbox_kafka.relay.boundaries import Delivery, Message
-from outbox_kafka.relay.verdicts import Problem, Verdict
+from outbox_kafka.relay.batch import Problem, Verdict
+from outbox_kafka.relay.lease import metadata_wait
+from outbox_kafka.relay.ports import Delivery, Message
 
 if TYPE_CHECKING:
-    from outbox_kafka.relay.settings import RelaySettings
+    from outbox_kafka.relay.config import RelaySettings
 
 log = logging.getLogger("outbox_kafka.publisher")
 
@@ -174,7 +175,7 @@ class Publisher:
             settings.admin_config(),
             create_partitions=settings.create_topics,
             stats_callback=stats_callback,
-            metadata_timeout=min(5.0, settings.lease_seconds / 4),
+            metadata_timeout=metadata_wait(settings.lease_seconds),
         )
 
     def _new_producer(self) -> Producer:

@@ -1,20 +1,49 @@
-"""The retry policy: what becomes of each event of a key after a send.
-
-Pure decisions: :meth:`RetryPolicy.settle` walks one key's events with what the
-batch brought (the checks' problems, the delivery reports, the dead-letter
-copies) and returns the key's and its events' next state, with the retries,
-discards and order violations it decided, for the loop to record, log and count.
+"""The relay's decisions, as pure functions of what a batch brought: which of a key's
+events go out together (:func:`sendable`), a batch's plan (:func:`plan_batch`: the
+messages, and the dead-letter copies known before sending), and the retry policy
+(:meth:`RetryPolicy.settle`: each key's and event's next state, with the retries,
+holds, discards and order violations it decided, and the dead-letter copies still
+to send). The loop applies them: :mod:`~outbox_kafka.relay.send` sends, logs and
+counts; the store records.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from outbox_kafka.relay.batches import ClaimedEvent, ClaimedKey, EventOutcome, KeyOutcome
-from outbox_kafka.relay.boundaries import Delivery
-from outbox_kafka.relay.settings import RelaySettings
-from outbox_kafka.relay.verdicts import EventStatus, Problem, Verdict
+from outbox_kafka.relay.batch import (
+    Claim,
+    ClaimedEvent,
+    ClaimedKey,
+    EventOutcome,
+    EventStatus,
+    KeyOutcome,
+    Problem,
+    Verdict,
+)
+from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.lease import in_flight_hold
+from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.stored_headers import message_size
+
+
+def sendable(key: ClaimedKey) -> list[ClaimedEvent]:
+    """The key's claimed events that may go out in this batch: the due ones, in order,
+    up to the first for another topic than the first's.
+
+    Kafka orders messages within a partition only, so an event for another topic
+    could land while an earlier one of its key is still unacknowledged and then
+    fails. It goes in a later batch, once everything before it is recorded.
+    """
+    run: list[ClaimedEvent] = []
+    for event in key.events:
+        if not event.due or event.topic != key.events[0].topic:
+            break
+        run.append(event)
+    return run
+
 
 #: The longest wait before a held key is looked at again (jittered, at most the backoff cap).
 HOLD_SECONDS = 5.0
@@ -113,6 +142,9 @@ class Settlement:
     delivered: list[ClaimedEvent] = field(default_factory=list)
     #: Retries, discards and order violations, in the key's sequence order.
     decisions: list[Decision] = field(default_factory=list)
+    #: Discards whose dead-letter copies the batch has yet to send. The walk assumed
+    #: they go out; until their answers are in, this settlement is provisional.
+    copies_to_send: list[Discard] = field(default_factory=list)
 
     @property
     def retries(self) -> list[Retry]:
@@ -175,8 +207,7 @@ class RetryPolicy:
         results: BatchResults,
         per_key_limit: int,
         *,
-        copy_unknown: Problem | tuple[Verdict, None] = COPY_NOT_SENT,
-        rehearsal: bool = False,
+        copy_unknown: Problem | tuple[Verdict, None] | None = COPY_NOT_SENT,
     ) -> Settlement:
         """Walk one key's events in sequence order and decide what happens next.
 
@@ -185,9 +216,19 @@ class RetryPolicy:
         retriably holds the key: it is retried after a backoff and nothing
         after it is sent until it succeeds or is discarded. A discarded event
         whose dead-letter copy failed retriably is kept and retried too.
-        ``copy_unknown`` is the verdict of a copy the batch has no answer for; a
-        ``rehearsal`` draws no backoff (its delays are 0).
+        ``copy_unknown`` is the verdict of a copy the batch has no answer for.
+
+        The same walk decides which dead-letter copies the batch still has to
+        send: with ``copy_unknown=None``, a discarded event whose copy has no
+        answer yet is listed in :attr:`Settlement.copies_to_send` and its copy
+        assumed to go out, so that the walk goes on to the key's later discards
+        (a failed copy holds the key at its event, so a later one may have been
+        copied in vain: copies are at least once). Such a settlement is
+        provisional, and draws no backoff past that point: once the copies'
+        answers are in ``results.copies``, the key is settled again.
         """
+        #: A copy's answer was assumed: what follows is provisional (no backoff drawn).
+        rehearsal = False
         next_seq = due[-1].seq + 1
         delay = 0.0
         parked = blocked = False
@@ -249,7 +290,15 @@ class RetryPolicy:
                 delay = self._retry_later(event, error, out, rehearsal)
                 continue
             reason = self.discard_reason(event, verdict, error)
-            copy_verdict, copy_error = results.copies.get(id(event), copy_unknown)
+            copy = results.copies.get(id(event))
+            to_send = copy is None and copy_unknown is None
+            if to_send:
+                rehearsal = True
+                copy = (Verdict.DELIVERED, None)
+            elif copy is None:
+                assert copy_unknown is not None
+                copy = copy_unknown
+            copy_verdict, copy_error = copy
             if copy_verdict == Verdict.RETRIABLE:
                 # The dead-letter copy did not make it yet: keep the event, retry later.
                 settled.decisions.append(Retry(event, attempt, copy_error, copy_failed=True))
@@ -267,7 +316,10 @@ class RetryPolicy:
                     event.event_id, key.key, EventStatus.DISCARDED, 1, 0.0, None, None, reason
                 )
             )
-            settled.decisions.append(Discard(event, attempt, reason, error, failed))
+            discard = Discard(event, attempt, reason, error, failed)
+            settled.decisions.append(discard)
+            if to_send:
+                settled.copies_to_send.append(discard)
             if self.park:
                 held_back = held_back or event
                 blocked = parked = True
@@ -280,7 +332,7 @@ class RetryPolicy:
             and (len(key.events) < per_key_limit or key.waiting_beyond_claim == 0)
         )
         if in_producer:
-            delay = max(delay, self.lease_seconds)
+            delay = max(delay, in_flight_hold(self.lease_seconds))
         if next_seq == key.next_seq and not settled.events and not delay and not parked:
             # Nothing of the key was sent or settled (the send was skipped): it is
             # handed back as claimed and keeps its place in the queue.
@@ -290,23 +342,6 @@ class RetryPolicy:
             key.key, next_seq, delay, parked, drained and not blocked and not parked
         )
         return settled
-
-    def discards(
-        self, key: ClaimedKey, due: list[ClaimedEvent], results: BatchResults, per_key_limit: int
-    ) -> list[Discard]:
-        """The events of one key that :meth:`settle` discards if every dead-letter copy
-        not yet answered succeeds: the ones whose copies to send. A failed copy holds
-        the key at its event, so a later one may have been copied in vain: copies are
-        at least once."""
-        assumed = self.settle(
-            key,
-            due,
-            results,
-            per_key_limit,
-            copy_unknown=(Verdict.DELIVERED, None),
-            rehearsal=True,
-        )
-        return assumed.discards
 
     def _hold(
         self, event: ClaimedEvent, error: str | None, out: list[EventOutcome], rehearsal: bool
@@ -346,3 +381,169 @@ class RetryPolicy:
             )
         )
         return backoff
+
+
+#: Longest reason a dead-letter copy carries in its ``outbox_error`` header (bytes).
+_MAX_REASON_HEADER = 4096
+
+
+@dataclass
+class BatchPlan:
+    """What to send for a claim, and what is already decided without sending."""
+
+    #: Keys with nothing to send now, and their next state.
+    idle_keys: list[KeyOutcome] = field(default_factory=list)
+    #: Keys with events to send, each with its events that may go out in this batch.
+    keys: list[tuple[ClaimedKey, list[ClaimedEvent]]] = field(default_factory=list)
+    #: The events to send, in order, and their messages.
+    events: list[ClaimedEvent] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    #: Problems found before sending; nothing after such an event of its key is sent.
+    results: BatchResults = field(default_factory=BatchResults)
+    #: Keys' first events discarded whatever the send brings: their copies go with it.
+    discarded_first: list[Discard] = field(default_factory=list)
+
+
+def idle_key_outcome(key: ClaimedKey) -> KeyOutcome:
+    """The next state of a key with nothing to send now: empty, not due yet, or its
+    events left out of the claim for its byte budget."""
+    if key.withheld and not key.events:
+        return KeyOutcome.unchanged(key)
+    if key.events:
+        wait = max(0.0, key.events[0].wait_seconds)
+        return KeyOutcome(key.key, key.next_seq, wait, False, False)
+    # Every event up to last_seq is done (none pending in the same snapshot), so
+    # the key may leave the queue unless a writer has added one since; the record
+    # checks that under lock.
+    done = max(key.next_seq, (key.last_seq or 0) + 1)
+    return KeyOutcome(key.key, done, 0.0, False, True)
+
+
+def over_topic_limit(
+    message: Message, message_limit: Callable[[str], int | None]
+) -> Problem | None:
+    """The message's problem if it is larger than its topic takes (where told)."""
+    limit = message_limit(message.topic)
+    if limit is None:
+        return None
+    size = message_size(message.key, message.value, message.headers)
+    if size <= limit:
+        return None
+    return (
+        Verdict.PERMANENT,
+        f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over topic {message.topic!r}'s "
+        f"max.message.bytes ({limit}); raise it, then requeue the event",
+    )
+
+
+def plan_batch(
+    claim: Claim,
+    problems: dict[int, Problem],
+    topic_problem: Callable[[str], Problem | None],
+    policy: RetryPolicy,
+    message_limit: Callable[[str], int | None] = lambda topic: None,
+) -> BatchPlan:
+    """Each key's sendable events up to its first problem (a failed check from
+    ``problems``, its topic's from ``topic_problem``, or a message larger than
+    ``message_limit`` says its topic takes)."""
+    plan = BatchPlan()
+    for claimed in claim.keys:
+        due = sendable(claimed)
+        if not due:
+            plan.idle_keys.append(idle_key_outcome(claimed))
+            continue
+        plan.keys.append((claimed, due))
+        key = claimed.key.encode()
+        for event in due:
+            message = Message(event.topic, key, event.value, event.headers or [], event.event_id)
+            problem = (
+                problems.get(id(event))
+                or topic_problem(event.topic)
+                or over_topic_limit(message, message_limit)
+            )
+            if problem is not None:
+                # Nothing later of this key goes out in this batch: whatever becomes
+                # of this event (retry, park, discard), it is settled before anything
+                # behind it is sent.
+                plan.results.problems[id(event)] = problem
+                verdict, error = problem
+                if event is due[0] and policy.gives_up(event, verdict):
+                    # Nothing of its key comes before it in this batch: it is
+                    # discarded whatever the send brings, so its copy goes with
+                    # the send. Behind earlier events of its key, it is discarded
+                    # only if they all reach Kafka: decided after.
+                    reason = policy.discard_reason(event, verdict, error)
+                    plan.discarded_first.append(Discard(event, event.attempts + 1, reason, error))
+                break
+            plan.events.append(event)
+            plan.messages.append(message)
+    return plan
+
+
+def dead_letter_messages(
+    discards: list[Discard],
+    topic: str | None,
+    topic_problem: Callable[[str], Problem | None],
+    copies: dict[int, tuple[Verdict, str | None]],
+    message_limit: Callable[[str], int | None] = lambda topic: None,
+) -> list[Message]:
+    """The dead-letter copies of ``discards`` to send; where none can be sent (no
+    dead-letter topic, a problem with it, a copy larger than it takes), the copy's
+    verdict goes in ``copies``."""
+    if not discards:
+        return []
+    if topic is None:
+        copies.update((id(d.event), (Verdict.DELIVERED, None)) for d in discards)
+        return []
+    problem = topic_problem(topic)
+    if problem is not None:
+        verdict, error = problem
+        if verdict == Verdict.HELD:
+            verdict = Verdict.RETRIABLE  # the copy is made once the topic can take it
+        copies.update((id(d.event), (verdict, error)) for d in discards)
+        return []
+    made = [(d, _copy(d, topic)) for d in discards]
+    for discard, copy in made:
+        too_large = over_topic_limit(copy, message_limit)
+        if too_large is not None:
+            copies[id(discard.event)] = too_large
+    return [copy for discard, copy in made if id(discard.event) not in copies]
+
+
+def _copy(discard: Discard, topic: str) -> Message:
+    """The dead-letter copy of a discarded event: as it was, with why and where from."""
+    d = discard
+    return Message(
+        topic,
+        d.event.key.encode(),
+        d.event.value,
+        [
+            *(d.event.headers or []),
+            ("outbox_error", d.reason.encode("utf-8", "replace")[:_MAX_REASON_HEADER]),
+            ("outbox_original_topic", d.event.topic.encode()),
+            ("outbox_event_id", d.event.event_id.encode()),
+        ],
+        d.event.event_id,
+    )
+
+
+def note_copies(
+    discards: list[Discard],
+    deliveries: list[Delivery],
+    copies: dict[int, tuple[Verdict, str | None]],
+) -> None:
+    """Record in ``copies`` how the dead-letter copies of ``discards`` fared, where
+    they were sent (``deliveries`` is empty where no copy was made)."""
+    for discard, delivery in zip(discards, deliveries, strict=False):
+        if not delivery.sent:
+            copies[id(discard.event)] = COPY_NOT_SENT
+        elif not delivery.reported:
+            copies[id(discard.event)] = (
+                Verdict.RETRIABLE,
+                "no delivery report for the dead-letter copy",
+            )
+        elif delivery.verdict in (Verdict.HELD, Verdict.BATCH_REJECTED, Verdict.RESET):
+            # Not the copy's own fault: it is made again with the event's next try.
+            copies[id(discard.event)] = (Verdict.RETRIABLE, delivery.error)
+        else:
+            copies[id(discard.event)] = (delivery.verdict, delivery.error)

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Literal
 
 from outbox_kafka.database import NO_DATABASE_URL
-from outbox_kafka.errors import ConfigurationError
+from outbox_kafka.errors import ConfigurationError, EventError
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, KAFKA_MESSAGE_MAX_BYTES, KEY_PARTITIONERS
 from outbox_kafka.naming import TableNames
+from outbox_kafka.relay.lease import check_delivery_timeout
+from outbox_kafka.topic_names import check_topic
 
 KAFKA_ENV_PREFIX = "OUTBOX_KAFKA_CONFIG_"
 
@@ -121,19 +123,8 @@ class RelaySettings:
                 )
         self._check_message_max_bytes()
         check_kafka_security(self.kafka_config)
-        timeout = self.effective_delivery_timeout_ms
-        limit = self.lease_seconds * 1000 * 0.8
-        if timeout > limit:
-            raise ConfigurationError(
-                f"the Kafka delivery timeout ({timeout} ms) must be at most 80% of the lease "
-                f"({self.lease_seconds} s = {self.lease_seconds * 1000:.0f} ms): a message still "
-                "in flight when its lease expires would be sent twice, out of order. Lower "
-                "delivery.timeout.ms or raise --lease-seconds."
-            )
+        check_delivery_timeout(self.effective_delivery_timeout_ms, self.lease_seconds)
         if self.dead_letter_topic is not None:
-            from outbox_kafka.errors import EventError
-            from outbox_kafka.producer.checks import check_topic
-
             try:
                 check_topic(self.dead_letter_topic)
             except EventError as exc:

@@ -1,11 +1,11 @@
-"""Sending one claimed batch under its lease, and acting on the policy's decisions.
+"""Sending one claimed batch under its lease, and acting on the decisions.
 
 The events go out in one send together with the dead-letter copies of events
 already known to be discarded; copies of events the broker's answers discarded
 follow in a second send. Nothing is sent with less than one delivery timeout of
-the lease left, so all of it is delivered or timed out before another relay can
-take the keys. The decisions (:mod:`~outbox_kafka.relay.planning`,
-:mod:`~outbox_kafka.relay.policy`) are pure; here they are logged and counted.
+the lease left (:mod:`~outbox_kafka.relay.lease`), so all of it is delivered or
+timed out before another relay can take the keys. The decisions
+(:mod:`~outbox_kafka.relay.decide`) are pure; here they are logged and counted.
 """
 
 from __future__ import annotations
@@ -15,21 +15,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from outbox_kafka.relay.batches import Claim, ClaimedEvent, EventOutcome, KeyOutcome
-from outbox_kafka.relay.boundaries import Delivery, Message, MessagePublisher
-from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.planning import dead_letter_messages, note_copies, plan_batch
-from outbox_kafka.relay.policy import (
+from outbox_kafka.relay.batch import Claim, ClaimedEvent, EventOutcome, KeyOutcome, Problem, Verdict
+from outbox_kafka.relay.claim import Claimed
+from outbox_kafka.relay.decide import (
     Discard,
     Hold,
     OrderViolation,
     Retry,
     RetryPolicy,
     Settlement,
+    dead_letter_messages,
     error_label,
+    note_copies,
+    plan_batch,
 )
+from outbox_kafka.relay.lease import Lease
+from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.ports import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.tracing import SendTracing
-from outbox_kafka.relay.verdicts import Problem, Verdict
 
 log = logging.getLogger("outbox_kafka.relay")
 
@@ -55,7 +58,7 @@ class BatchSender:
         metrics: RelayMetrics,
         *,
         dead_letter_topic: str | None,
-        delivery_timeout: float,
+        lease: Lease,
         abort: Callable[[], bool],
         tracing: SendTracing | None = None,
     ) -> None:
@@ -63,12 +66,23 @@ class BatchSender:
         self.policy = policy
         self.metrics = metrics
         self.dead_letter_topic = dead_letter_topic
-        self._delivery_timeout = delivery_timeout
-        self._send_timeout = delivery_timeout + 5.0
+        self._lease = lease
+        self._send_timeout = lease.delivery_timeout + 5.0
         self._abort = abort
         self._tracing = tracing or SendTracing()
         #: By (topic, reason label): when a hold was last logged, and holds since.
         self._holds_logged: dict[tuple[str, str], tuple[float | None, int]] = {}
+
+    def send_claimed(self, claimed: Claimed) -> tuple[Claim, SentBatch]:
+        """The send step of a cycle: send a claimed batch within its lease, timed; its
+        outcome is decided but not yet recorded."""
+        claim = claimed.claim
+        if not claim.keys:
+            return claim, SentBatch()
+        started = time.monotonic()
+        sent = self.send(claim, claimed.problems, self._lease.ends(claimed.asked_at))
+        self.metrics.publish_seconds.observe(time.monotonic() - started)
+        return claim, sent
 
     def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
         """Send the claimed events; decide every key's and event's next state."""
@@ -86,22 +100,31 @@ class BatchSender:
             results.deliveries = {id(e): d for e, d in zip(plan.events, sent, strict=True)}
             note_copies(first, deliveries[len(plan.messages) :], results.copies)
 
-        later = [
-            discard
+        # One walk per key decides both its next state and the dead-letter copies
+        # the broker's answers call for; a key that needs copies is walked again
+        # once they are answered.
+        limit = claim.per_key_limit
+        settlements = [
+            self.policy.settle(claimed, due, results, limit, copy_unknown=None)
             for claimed, due in plan.keys
-            for discard in self.policy.discards(claimed, due, results, claim.per_key_limit)
-            if id(discard.event) not in results.copies
         ]
-        later_copies = dead_letter_messages(
-            later, self.dead_letter_topic, topic_problem, results.copies, message_limit
-        )
-        if later_copies:
-            note_copies(later, self._send(later_copies, lease_ends), results.copies)
+        later = [discard for settled in settlements for discard in settled.copies_to_send]
+        if later:
+            later_copies = dead_letter_messages(
+                later, self.dead_letter_topic, topic_problem, results.copies, message_limit
+            )
+            if later_copies:
+                note_copies(later, self._send(later_copies, lease_ends), results.copies)
+            settlements = [
+                self.policy.settle(claimed, due, results, limit)
+                if settled.copies_to_send
+                else settled
+                for (claimed, due), settled in zip(plan.keys, settlements, strict=True)
+            ]
 
         batch = SentBatch(keys=plan.idle_keys, sent=len(plan.messages))
         published: dict[str, int] = {}
-        for claimed, due in plan.keys:
-            settled = self.policy.settle(claimed, due, results, claim.per_key_limit)
+        for settled in settlements:
             batch.keys.append(settled.key)
             batch.events.extend(settled.events)
             for event in settled.delivered:
@@ -168,8 +191,8 @@ class BatchSender:
         Metadata lookups and topic creation before the send count against the
         lease: they have run by now.
         """
-        left = lease_ends - time.monotonic()
-        if left < self._delivery_timeout:
+        left = self._lease.left(lease_ends)
+        if not self._lease.room_to_send(left):
             log.warning(
                 "too little of the lease left to send; the keys go back to the queue",
                 extra={

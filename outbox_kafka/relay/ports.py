@@ -1,6 +1,6 @@
-"""The two boundaries the relay loop talks through, as Protocols: the store (the
-outbox tables) and the publisher (Kafka), with the messages and delivery reports
-that cross the second. :mod:`outbox_kafka.testing` has an in-memory fake of each."""
+"""The relay's two ports, as Protocols: the store (the outbox tables) and the publisher
+(Kafka), with the messages and delivery reports that cross the second.
+:mod:`outbox_kafka.testing` has an in-memory fake of each."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from outbox_kafka.relay.verdicts import Problem, Verdict
+from outbox_kafka.relay.batch import Problem, Verdict
 
 if TYPE_CHECKING:
     import uuid
 
-    from outbox_kafka.relay.batches import Claim, EventOutcome, KeyOutcome, RecordResult
+    from outbox_kafka.relay.batch import Claim, EventOutcome, KeyOutcome, RecordResult
     from outbox_kafka.relay.reports import Remaining
-    from outbox_kafka.relay.wakeups import Wakeups
+    from outbox_kafka.relay.wake import Wakeups
 
 
 class Message(NamedTuple):
