@@ -72,6 +72,9 @@ class StoredEvent:
     partition: int | None = None
     offset: int | None = None
     finished_at: float | None = None
+    #: When it was written, on the store's clock: a discarded event's retention
+    #: counts from here, as the relay's store counts it (from ``created_at``).
+    created_at: float = 0.0
 
 
 @dataclass
@@ -87,6 +90,10 @@ class _Key:
     #: The key's counter: the last sequence number handed out (kept when retention
     #: deletes the events; gone, and started again from 1, with the key itself).
     last_seq: int = 0
+    #: Whether the key is in the queue (the relay's store has a row for it in the
+    #: key queue or among the arrivals): from its first event until a record
+    #: finds it drained, even when none of its events is left pending.
+    queued: bool = False
 
 
 class InMemoryStore:
@@ -109,9 +116,10 @@ class InMemoryStore:
         it passes is not used (there is no transaction: an event is stored when the
         call returns).
         """
-        outbox = Outbox(**options)
-        outbox._writer = _MemoryWriter(outbox.names, self)
-        return outbox
+        names = TableNames(
+            table=options.get("table", "outbox"), schema=options.get("db_schema", "public")
+        )
+        return Outbox(**options, writer=_MemoryWriter(names, self))
 
     def enqueue(self, outbox: Outbox, event: Event | Mapping[str, Any]) -> uuid.UUID:
         """Validate and encode ``event`` with ``outbox`` (as ``enqueue`` would) and store it."""
@@ -166,9 +174,10 @@ class InMemoryStore:
             value,
             list(headers),
             available_at=self._clock() + delay,
+            created_at=self._clock(),
         )
-        if state.token is None and not _queued(state):
-            state.due_at = stored.available_at
+        if not state.queued:
+            state.queued, state.due_at = True, stored.available_at
         state.events.append(stored)
         return stored
 
@@ -201,7 +210,7 @@ class InMemoryStore:
         for name, first in firsts.items():
             state = self._keys[name]
             state.next_seq = min(state.next_seq, first)
-            state.parked = False
+            state.parked, state.queued = False, True
             # Due now, unless it waits already (a lease, or a message that may land).
             state.due_at = max(state.due_at, now)
             state.token = None
@@ -245,7 +254,7 @@ class InMemoryStore:
                 if not state.parked
                 and state.due_at <= now
                 and (state.token is None or state.lease_until <= now)
-                and _queued(state)
+                and state.queued
             ),
             key=lambda item: (item[1].due_at, item[0]),
         )[: max_keys or batch_size]
@@ -321,12 +330,17 @@ class InMemoryStore:
         now = self._clock()
         owned = {k.key for k in keys if self._owns(k.key, token)}
         counts = {status: 0 for status in EventStatus}
+        latencies: list[float] = []
         for outcome in events:
             if outcome.key not in owned:
                 continue
             stored = next(
                 e for e in self._keys[outcome.key].events if e.event_id == outcome.event_id
             )
+            if stored.status != EventStatus.PENDING:  # as the database: a finished event stays
+                continue
+            if outcome.status == EventStatus.DELIVERED:
+                latencies.append(now - stored.created_at)
             stored.status = outcome.status
             stored.attempts += outcome.attempts_added
             stored.available_at = now + outcome.delay
@@ -346,6 +360,7 @@ class InMemoryStore:
             state.due_at = now + key.delay if key.due_at is None else key.due_at
             state.parked = key.park
             if key.drained and not key.park and state.last_seq < key.next_seq:
+                state.queued = False
                 removed += 1
         return RecordResult(
             keys_owned=len(owned),
@@ -353,7 +368,7 @@ class InMemoryStore:
             delivered=counts[EventStatus.DELIVERED],
             discarded=counts[EventStatus.DISCARDED],
             retried=counts[EventStatus.PENDING],
-            latencies=[],
+            latencies=latencies,
         )
 
     def remaining(self) -> Remaining:
@@ -398,19 +413,30 @@ class InMemoryStore:
         )
 
     def purge(self, *, delivered_seconds: float, discarded_seconds: float, batch: int) -> int:
+        # As purge_delivered and purge_discarded: a delivered event ages from its
+        # delivery, a discarded one from when it was written.
         now = self._clock()
-        keep = {EventStatus.DELIVERED: delivered_seconds, EventStatus.DISCARDED: discarded_seconds}
         removed = 0
+
+        def kept(event: StoredEvent) -> bool:
+            if event.status == EventStatus.DELIVERED and event.finished_at is not None:
+                return now - event.finished_at <= delivered_seconds
+            if event.status == EventStatus.DISCARDED:
+                return now - event.created_at <= discarded_seconds
+            return True
+
         for name, state in list(self._keys.items()):
-            kept = [
-                e
-                for e in state.events
-                if e.finished_at is None or now - e.finished_at <= keep[e.status]
-            ]
-            removed += len(state.events) - len(kept)
-            state.events = kept
-            if not kept and state.token is None:
-                # Nothing of the key left to order: it starts again from 1.
+            kept_events = [e for e in state.events if kept(e)]
+            last_purged = any(e.seq == state.last_seq and not kept(e) for e in state.events)
+            removed += len(state.events) - len(kept_events)
+            state.events = kept_events
+            if (
+                last_purged
+                and not state.queued
+                and not any(e.status != EventStatus.DELIVERED for e in kept_events)
+            ):
+                # Nothing of the key left to order (as forget_idle_counters finds it):
+                # it starts again from 1.
                 del self._keys[name]
         return removed
 
@@ -423,11 +449,6 @@ class InMemoryStore:
     def _owns(self, key: str, token: uuid.UUID) -> bool:
         state = self._keys.get(key)
         return state is not None and state.token == token
-
-
-def _queued(state: _Key) -> bool:
-    """Whether the key is in the queue: it has events from its ``next_seq`` on."""
-    return any(e.seq >= state.next_seq for e in state.events)
 
 
 def _pending(state: _Key) -> list[StoredEvent]:
