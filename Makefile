@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint format test chaos soak demo services bench up down clean
+.PHONY: install lint format test chaos soak demo services bench schema up down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ services: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+# Writes outbox_kafka/schema/current.sql from a database migrated from nothing (on
+# OUTBOX_TEST_DATABASE_URL's server when set, else an embedded one): after a new migration.
+schema: $(STAMP)
+	$(BIN)/python -m tests.current_schema
 
 up:
 	docker compose up --build -d
