@@ -50,7 +50,6 @@ NOT_YET_REPLACED: dict[str, str] = {
     "relay._release": "an observer told of each read-ahead claim released unused",
     "relay._recorder": "an observer told of each recorded batch",
     "relay._claimer": "an observer told of each claim",
-    "outbox._functions": "OutboxWriter.functions, public through Outbox.writer",
     "server._thread": "a public way to ask whether the server runs",
     "server.checks._cached": "a public way to drop the cached readiness answer",
     "store._keys": "InMemoryStore's public reads and operator actions",

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Connection
 
 from outbox_kafka.errors import ConfigurationError, DuplicateEventId, EventError
 from outbox_kafka.limits import DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_MESSAGE_BYTES
@@ -32,7 +31,7 @@ from outbox_kafka.producer.instruments import (
     counts_enqueue_failures,
     producer_metrics,
 )
-from outbox_kafka.producer.writing import Connectable, EnqueueFunctions, OutboxWriter
+from outbox_kafka.producer.writing import Connectable, OutboxWriter
 from outbox_kafka.validation import EventSchemas, load_event_schemas
 
 if TYPE_CHECKING:
@@ -268,10 +267,6 @@ class Outbox:
         if chosen_ids:
             _refuse_repeated_ids(batch)
         return encoded, chosen_ids
-
-    def _functions(self, connection: Connection) -> EnqueueFunctions:
-        """Which enqueue functions this session may call: :meth:`OutboxWriter.functions`."""
-        return self._writer.functions(connection)
 
 
 def _refuse_repeated_ids(batch: list[Event]) -> None:

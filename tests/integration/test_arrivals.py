@@ -219,18 +219,18 @@ def test_a_producer_ahead_of_its_schema_writes_with_the_statement_until_it_is_mi
     before = make_engine(database_url)
     try:
         with before.begin() as conn:
-            assert not outbox._functions(conn).one
+            assert not outbox.writer.functions(conn).one
             first = outbox.enqueue(conn, type="t", key=KEY, data=0, topic=topic)
         assert migrate(engine, names).applied == [3, 4, 5]
         with before.begin() as conn:  # the same pooled session keeps its answer
-            assert not outbox._functions(conn).one
+            assert not outbox.writer.functions(conn).one
             second = outbox.enqueue(conn, type="t", key=KEY, data=1, topic=topic)
     finally:
         before.dispose()
     after = make_engine(database_url)
     try:
         with after.begin() as conn:
-            assert outbox._functions(conn).one
+            assert outbox.writer.functions(conn).one
             third = outbox.enqueue(conn, type="t", key=KEY, data=2, topic=topic)
     finally:
         after.dispose()

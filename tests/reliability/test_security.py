@@ -617,9 +617,9 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
         # roles.sql only (the migration takes it from PUBLIC); a role without it
         # would use the batch statement, which needs table rights.
         with producer.connect() as conn:
-            assert outbox._functions(conn) == (True, True)
+            assert outbox.writer.functions(conn) == (True, True)
         with bare.connect() as conn:
-            assert outbox._functions(conn) == (False, False)
+            assert outbox.writer.functions(conn) == (False, False)
         # ... and reads nothing of any event nor any ordering key in use, and
         # cannot queue a key or change the relay's state.
         for sql in (
@@ -736,11 +736,11 @@ def test_a_producer_of_schema_version_4_keeps_writing_through_the_upgrade(
     producer = make_engine(_as(database_url, role), pool_size=1, max_overflow=0)
     try:
         with producer.begin() as conn:
-            assert outbox._functions(conn) == (True, False)
+            assert outbox.writer.functions(conn) == (True, False)
             outbox.enqueue(conn, type="t", key="k", data=0, topic="t")
         assert migrate(engine, names).applied == [5]
         with producer.begin() as conn:  # the same pooled connection, its answer kept
-            assert outbox._functions(conn) == (True, False)
+            assert outbox.writer.functions(conn) == (True, False)
             outbox.enqueue(conn, type="t", key="k", data=1, topic="t")
             outbox.enqueue_many(conn, [Event(type="t", key="k", data=2, topic="t")])
         assert scalar(engine, "SELECT max(seq) FROM upgrading WHERE ordering_key = 'k'") == 3
