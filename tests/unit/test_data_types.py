@@ -131,8 +131,7 @@ def test_the_payload_schema_judges_the_encoded_values(tmp_path: Path) -> None:
 
 
 def test_encoded_values_reach_the_message_through_the_relay() -> None:
-    from outbox_kafka.relay import Relay
-    from outbox_kafka.settings import RelaySettings
+    from outbox_kafka.relay import Relay, RelaySettings
     from outbox_kafka.testing import StubPublisher
 
     store, kafka = InMemoryStore(), StubPublisher()

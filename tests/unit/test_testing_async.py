@@ -8,8 +8,7 @@ import uuid
 import pytest
 
 from outbox_kafka import DuplicateEventId, Event, InvalidKey
-from outbox_kafka.relay import Relay
-from outbox_kafka.settings import RelaySettings
+from outbox_kafka.relay import Relay, RelaySettings
 from outbox_kafka.testing import InMemoryStore, StubPublisher
 
 
