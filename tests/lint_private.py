@@ -52,12 +52,7 @@ NOT_YET_REPLACED: dict[str, str] = {
     "relay._claimer": "an observer told of each claim",
     "server._thread": "a public way to ask whether the server runs",
     "server.checks._cached": "a public way to drop the cached readiness answer",
-    "store._keys": "InMemoryStore's public reads and operator actions",
     "publisher._producer": "a constructor argument for the producer a Publisher drives",
-    "relay.metrics.held.labels(topic='t', reason='UNKNOWN_TOPIC')._value": (
-        "the registry's get_sample_value"
-    ),
-    "relay.metrics.order_violations.labels(topic='t')._value": "the registry's get_sample_value",
 }
 
 #: Calls whose second argument (or first, when it is a dotted string) names an

@@ -369,7 +369,8 @@ def test_a_held_event_stops_its_key_without_counting_an_attempt() -> None:
 
 
 def test_a_missing_topic_holds_its_events_in_order_until_it_exists() -> None:
-    store = InMemoryStore()
+    now = [0.0]
+    store = InMemoryStore(clock=lambda: now[0])
     missing = (Verdict.HELD, "UNKNOWN_TOPIC: topic 't' does not exist")
     kafka = StubPublisher(topic_problems={"t": missing})
     _enqueue(store, "a", 3)
@@ -377,9 +378,7 @@ def test_a_missing_topic_holds_its_events_in_order_until_it_exists() -> None:
     relay = _relay(store, kafka, max_attempts=1)
     for _ in range(3):
         relay.drain()
-        for stored in store.events("a"):
-            stored.available_at = 0.0
-        store._keys["a"].due_at = 0.0
+        now[0] += 60.0  # past the hold's wait: the key is due again
     assert [e.status for e in store.events("a")] == ["pending"] * 3
     assert [e.attempts for e in store.events("a")] == [0, 0, 0]
     assert [m.key for m in kafka.messages()] == [b"b", b"b"]
@@ -497,7 +496,9 @@ def test_holds_are_counted_each_time_and_logged_once_a_minute_per_topic(
         relay.drain()
     holds = [r for r in caplog.records if getattr(r, "action", None) == "hold"]
     assert len(holds) == 1 and getattr(holds[0], "held_since_last") == 0  # noqa: B009
-    counted = relay.metrics.held.labels(topic="t", reason="UNKNOWN_TOPIC")._value.get()
+    counted = relay.metrics.registry.get_sample_value(
+        "outbox_events_held_total", {"topic": "t", "reason": "UNKNOWN_TOPIC"}
+    )
     assert counted == 5
 
 
@@ -543,7 +544,10 @@ def test_a_refused_message_is_not_resent_alone_behind_a_later_one_of_its_key_tha
     assert len(kafka.sends) == 1  # nothing sent alone: it would land after the second
     first, second = store.events("k")
     assert (first.status, first.attempts, second.status) == ("pending", 0, "delivered")
-    assert relay.metrics.order_violations.labels(topic="t")._value.get() == 1
+    violations = relay.metrics.registry.get_sample_value(
+        "outbox_order_violations_total", {"topic": "t"}
+    )
+    assert violations == 1
 
 
 class _SilentAdmin:
