@@ -50,8 +50,6 @@ NOT_YET_REPLACED: dict[str, str] = {
     "relay._release": "an observer told of each read-ahead claim released unused",
     "relay._recorder": "an observer told of each recorded batch",
     "relay._claimer": "an observer told of each claim",
-    "server._thread": "a public way to ask whether the server runs",
-    "server.checks._cached": "a public way to drop the cached readiness answer",
     "publisher._producer": "a constructor argument for the producer a Publisher drives",
 }
 

@@ -108,7 +108,7 @@ def test_a_relay_group_drains_three_outboxes_in_per_key_order_with_labelled_metr
     group = RelayGroup(make_settings(first_url, kafka_bootstrap), targets)
     try:
         results = group.drain_all(60)
-        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0)
+        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0).start()
         try:
             exposition = group_exposition(server)
         finally:
@@ -140,11 +140,9 @@ def test_a_relay_group_drains_three_outboxes_in_per_key_order_with_labelled_metr
 
 
 def group_exposition(server: ObservabilityServer) -> str:
-    """A scrape of ``server``'s /metrics (started here at the first scrape)."""
+    """A scrape of ``server``'s /metrics."""
     import urllib.request
 
-    if server._thread is None:
-        server.start()
     with urllib.request.urlopen(server.url("/metrics"), timeout=10) as answer:
         return str(answer.read().decode())
 
@@ -305,7 +303,7 @@ def test_the_shared_producer_gauges_are_served_once_without_an_outbox_label(
     group = RelayGroup(settings, targets)
     try:
         assert all(r.complete for r in group.drain_all(60).values())
-        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0)
+        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0).start()
         try:
             deadline = time.monotonic() + 10
             while True:  # until a statistics report has come since the sends
@@ -386,7 +384,9 @@ def test_an_unexpected_error_in_one_outbox_loop_leaves_the_others_delivering(
     relay_log = logging.getLogger("outbox_kafka.relay")
     relay_log.addHandler(logs)
     group = RelayGroup(make_settings(first_url, kafka_bootstrap), targets)
-    server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0).start()
+    server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0)
+    server.checks.cache_seconds = 0.0  # a fresh answer to each probe
+    server.start()
     ran: list[BaseException | None] = []
 
     def run() -> None:
@@ -397,7 +397,6 @@ def test_an_unexpected_error_in_one_outbox_loop_leaves_the_others_delivering(
             ran.append(exc)
 
     def ready() -> tuple[int, dict[str, Any]]:
-        server.checks._cached = None  # a fresh answer each time
         try:
             with urllib.request.urlopen(server.url("/readyz"), timeout=10) as answer:
                 return answer.status, json.loads(answer.read())
@@ -527,7 +526,7 @@ def test_each_outbox_loop_runs_with_the_settings_of_its_entry(
         assert (first.policy.max_attempts, tenant.policy.max_attempts) == (50, 2)
         assert tenant.settings.on_exhausted == "park"
         results = group.drain_all(60)
-        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0)
+        server = ObservabilityServer.for_group(group, host="127.0.0.1", port=0).start()
         try:
             samples = _families(group_exposition(server))
         finally:
