@@ -50,7 +50,6 @@ NOT_YET_REPLACED: dict[str, str] = {
     "relay._release": "an observer told of each read-ahead claim released unused",
     "relay._recorder": "an observer told of each recorded batch",
     "relay._claimer": "an observer told of each claim",
-    "publisher._producer": "a constructor argument for the producer a Publisher drives",
 }
 
 #: Calls whose second argument (or first, when it is a dotted string) names an

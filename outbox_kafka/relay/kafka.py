@@ -138,7 +138,12 @@ class Publisher:
         create_partitions: int | None = None,
         stats_callback: Callable[[str], None] | None = None,
         metadata_timeout: float = 5.0,
+        make_producer: Callable[[dict[str, Any]], Producer] = Producer,
     ) -> None:
+        """``make_producer`` makes the producer from its configuration (librdkafka's
+        ``Producer`` by default); it is called again whenever a fatal error makes the
+        publisher replace its producer. Tests pass a producer of their own through it."""
+        self._make_producer = make_producer
         self._config = dict(producer_config)
         if stats_callback is not None:
             self._config["stats_cb"] = stats_callback  # type: ignore[assignment]
@@ -180,7 +185,7 @@ class Publisher:
 
     def _new_producer(self) -> Producer:
         try:
-            return Producer(self._config)
+            return self._make_producer(self._config)
         except (KafkaException, ValueError, TypeError) as exc:
             raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
 

@@ -50,9 +50,11 @@ class HeldProducer:
 
 
 def _publisher(producer: HeldProducer) -> Publisher:
-    publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {})
-    publisher._producer = producer  # type: ignore[assignment]
-    return publisher
+    return Publisher(
+        {"bootstrap.servers": "127.0.0.1:1"},
+        {},
+        make_producer=lambda config: producer,  # type: ignore[arg-type,return-value]
+    )
 
 
 MESSAGES = [Message("t", b"k", b"{}", []), Message("t", b"j", b"{}", [])]
@@ -104,3 +106,18 @@ def test_the_admin_clients_librdkafka_messages_go_to_logging_not_stderr(
         publisher.close(timeout=0)
     assert "FAIL" not in capfd.readouterr().err
     assert any("127.0.0.1:1" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rebuilt_producer_is_made_as_the_first_was_from_the_same_configuration() -> None:
+    made: list[tuple[dict[str, Any], HeldProducer]] = []
+
+    def make(config: dict[str, Any]) -> HeldProducer:
+        made.append((config, HeldProducer()))
+        return made[-1][1]
+
+    publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {}, make_producer=make)  # type: ignore[arg-type]
+    publisher.rebuild()
+    assert len(made) == 2 and made[0][0] == made[1][0]
+    assert made[0][0]["bootstrap.servers"] == "127.0.0.1:1"
+    publisher.send(MESSAGES, timeout=1.0)
+    assert [len(p.callbacks) for _, p in made] == [0, 2]  # the new one takes the sends
