@@ -19,6 +19,9 @@ MOVED = [
     ("outbox_kafka", "Event", "outbox_kafka.producer.event"),
     ("outbox_kafka", "Route", "outbox_kafka.producer.event"),
     ("outbox_kafka", "__version__", "outbox_kafka.version"),
+    ("outbox_kafka.tables", "metadata", "outbox_kafka.schema.metadata"),
+    ("outbox_kafka.tables", "build_tables", "outbox_kafka.schema.metadata"),
+    ("outbox_kafka.tables", "outbox_migrations", "outbox_kafka.schema.metadata"),
 ]
 
 
