@@ -1,10 +1,11 @@
 """The relay's decisions before and after a send (outbox_kafka/relay/decide.py), as pure
 functions: which events may go, what a key with nothing to send becomes, which
 messages are too large, and the dead-letter copies. RetryPolicy.settle has its own
-tests in test_settle.py; backoff_delay in test_relay_policy.py."""
+tests in test_settle.py."""
 
 from __future__ import annotations
 
+import random
 import uuid
 
 import pytest
@@ -14,6 +15,7 @@ from outbox_kafka.relay.decide import (
     COPY_NOT_SENT,
     Discard,
     RetryPolicy,
+    backoff_delay,
     dead_letter_messages,
     error_label,
     idle_key_outcome,
@@ -75,6 +77,19 @@ def test_a_key_sends_only_its_first_run_of_one_topic() -> None:
 
 def test_a_key_whose_first_event_is_not_due_sends_nothing() -> None:
     assert sendable(key(event(1, due=False), event(2))) == []
+
+
+# ------------------------------------------------------------------------ backoff
+
+
+def test_backoff_grows_exponentially_with_jitter_and_stays_under_the_cap() -> None:
+    rng = random.Random(7)
+    for attempt in range(1, 40):
+        ceiling = min(60.0, 0.5 * 2 ** (attempt - 1))
+        delays = [backoff_delay(attempt, 0.5, 60.0, rng) for _ in range(200)]
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(set(delays)) > 100  # jittered, not a constant
+    assert backoff_delay(10_000, 0.5, 60.0, rng) <= 60.0
 
 
 # ------------------------------------------------------------------------ idle keys

@@ -1,25 +1,14 @@
-"""The relay's pure decisions: backoff and how many keys to claim (no services)."""
+"""The claim stage's own decisions (outbox_kafka/relay/claim.py): how many keys the next
+claim asks for, and whether to read a claim ahead (no services)."""
 
 from __future__ import annotations
 
-import random
 import uuid
 
 import pytest
 
 from outbox_kafka.relay.batch import Claim, ClaimedEvent, ClaimedKey
-from outbox_kafka.relay.claim import ClaimSizer
-from outbox_kafka.relay.decide import backoff_delay
-
-
-def test_backoff_grows_exponentially_with_jitter_and_stays_under_the_cap() -> None:
-    rng = random.Random(7)
-    for attempt in range(1, 40):
-        ceiling = min(60.0, 0.5 * 2 ** (attempt - 1))
-        delays = [backoff_delay(attempt, 0.5, 60.0, rng) for _ in range(200)]
-        assert all(ceiling / 2 <= d <= ceiling for d in delays)
-        assert len(set(delays)) > 100  # jittered, not a constant
-    assert backoff_delay(10_000, 0.5, 60.0, rng) <= 60.0
+from outbox_kafka.relay.claim import ClaimSizer, worth_reading_ahead
 
 
 def _event(key: str, seq: int, topic: str = "t") -> ClaimedEvent:
@@ -108,3 +97,20 @@ def test_keys_whose_events_switch_topics_do_not_shrink_the_claim(sizer: ClaimSiz
     claim = _claim([5] * 200, per_key_limit=5, waiting=[50] * 200, topics=("a", "b"))
     sizer.adapt(claim, 200)
     assert sizer.keys_per_claim == 400
+
+
+def test_a_claim_is_read_ahead_when_it_filled_half_the_batch() -> None:
+    assert worth_reading_ahead(_claim([5, 5], 10), asked=100, batch_size=20)
+    assert not worth_reading_ahead(_claim([4, 5], 10), asked=100, batch_size=20)
+
+
+def test_a_claim_is_read_ahead_when_it_ran_out_of_keys_to_ask_for() -> None:
+    assert worth_reading_ahead(_claim([1, 1], 10), asked=2, batch_size=100)
+
+
+def test_no_claim_is_read_ahead_when_nothing_claimed_is_due() -> None:
+    claim = _claim([5, 5], 10)
+    for k in claim.keys:
+        k.events[:] = [e._replace(due=False) for e in k.events]
+    assert not worth_reading_ahead(claim, asked=2, batch_size=10)
+    assert not worth_reading_ahead(_claim([], 10), asked=2, batch_size=10)
