@@ -14,7 +14,7 @@ from outbox_kafka.errors import EventError
 from outbox_kafka.limits import enqueue_limit_for
 from outbox_kafka.relay.batch import Claim, ClaimedEvent, Problem, Verdict
 from outbox_kafka.relay.decide import sendable
-from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.stored_headers import message_size
 from outbox_kafka.topic_names import check_topic
 from outbox_kafka.validation import envelope_schema
@@ -44,10 +44,10 @@ class Claimer:
         *,
         batch_size: int,
         max_message_bytes: int,
-        metrics: RelayMetrics,
+        observer: RelayObserver,
     ) -> None:
         self._take = take
-        self.metrics = metrics
+        self.observer = observer
         self._checks = EventChecks(max_message_bytes)
         self._sizer = ClaimSizer(batch_size)
 
@@ -56,7 +56,7 @@ class Claimer:
         started = time.monotonic()
         keys_wanted = self._sizer.keys_per_claim
         claim = self._take(keys_wanted)
-        self.metrics.claim_seconds.observe(time.monotonic() - started)
+        self.observer.claimed(claim, time.monotonic() - started)
         return Claimed(claim, keys_wanted, self._checks.first_problems(claim), started)
 
     def adapt(self, claimed: Claimed) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -30,6 +30,7 @@ from outbox_kafka.relay.decide import RetryPolicy
 from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.lease import Lease
 from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.observe import LogObserver, Observers, RelayObserver
 from outbox_kafka.relay.ports import ClaimStore, MessagePublisher
 from outbox_kafka.relay.reports import CycleReport, DrainResult
 from outbox_kafka.relay.retention import Retention
@@ -60,10 +61,24 @@ class Relay:
         store: ClaimStore | None = None,
         publisher: MessagePublisher | None = None,
         tracer_provider: object | None = None,
+        observers: Sequence[RelayObserver] = (),
     ) -> None:
         self.settings = settings
         self.metrics = metrics or RelayMetrics()
         self.metrics.set_info(settings)
+        #: Who hears what the relay announces: its metrics, its logs and its traces,
+        #: then the ``observers`` it was given.
+        self.observer = Observers(
+            [
+                self.metrics,
+                LogObserver(
+                    park=settings.on_exhausted == "park",
+                    dead_letter_topic=settings.dead_letter_topic,
+                ),
+                SendTracing(tracer_provider),
+                *observers,
+            ]
+        )
         self.store: ClaimStore = store or Store(settings.database_url, settings.names)
         self.publisher: MessagePublisher = publisher or Publisher.for_settings(
             settings, self.metrics.observe_librdkafka_stats
@@ -71,28 +86,27 @@ class Relay:
         self._stop = threading.Event()
         self._stop_deadline: float | None = None
         self.policy = RetryPolicy.from_settings(settings)
-        self._db = DatabaseRetry(self._stop, self._past_shutdown_deadline, self.metrics)
+        self._db = DatabaseRetry(self._stop, self._past_shutdown_deadline, self.observer)
         self.lease = Lease(settings.lease_seconds, settings.effective_delivery_timeout_ms / 1000)
         self._claim_step = Claimer(
             self._take_claim,
             batch_size=settings.batch_size,
             max_message_bytes=self.publisher.max_message_bytes,
-            metrics=self.metrics,
+            observer=self.observer,
         )
         self._sender = BatchSender(
             self.publisher,
             self.policy,
-            self.metrics,
+            self.observer,
             dead_letter_topic=settings.dead_letter_topic,
             lease=self.lease,
             abort=self._past_shutdown_deadline,
-            tracing=SendTracing(tracer_provider),
         )
         self._last_cycle_at: float | None = None
         self._waiting = Waiting(
             self.store.wakeups() if settings.listen else None, settings.poll_interval, self._stop
         )
-        self._retention = Retention(self.store, settings, self.metrics, self.policy.rng)
+        self._retention = Retention(self.store, settings, self.observer, self.policy.rng)
         self.metrics.watch_last_cycle(lambda: self.last_cycle_at)
         # One batch's outcome is recorded here while the next batch is claimed
         # and sent: the database and Kafka work overlap, and a key is never in
@@ -138,11 +152,11 @@ class Relay:
             },
         )
         purger = SupervisedLoop(
-            "purge", self.purge_once, self._retention.delay, self.metrics, stop_event=self._stop
+            "purge", self.purge_once, self._retention.delay, self.observer, stop_event=self._stop
         ).start()
-        sampler = BacklogSampler(self.settings, self.metrics)
+        sampler = BacklogSampler(self.settings, self.observer)
         sampling = SupervisedLoop(
-            "sampler", sampler.sample_once, sampler.delay, self.metrics
+            "sampler", sampler.sample_once, sampler.delay, self.observer
         ).start()
         try:
             while not self._stop.is_set():
@@ -282,10 +296,7 @@ class Relay:
             # It waited behind a slow send: what is left of its lease would not
             # cover a send of its own, so its keys could pass to another relay
             # while their messages are still in flight. Claim them afresh.
-            log.info(
-                "claim read ahead outlived its use; released",
-                extra={"action": "release", "keys": len(claimed.claim.keys)},
-            )
+            self.observer.read_ahead_released(len(claimed.claim.keys))
             self._release(claimed.claim)
         return self._claim_step.claim()
 
@@ -358,20 +369,14 @@ class Relay:
             lambda: self.store.record(claim.token, sent.keys, sent.events),
             stop_on_shutdown=False,
         )
-        self.metrics.record_seconds.observe(time.monotonic() - started)
+        self.observer.recorded(result, time.monotonic() - started)
         report.keys_removed = result.keys_removed
         report.delivered = result.delivered
         report.retried = result.retried
         report.discarded = result.discarded
         report.leases_lost = len(sent.keys) - result.keys_owned
         if report.leases_lost:
-            self.metrics.leases_lost.inc(report.leases_lost)
-            log.warning(
-                "lease lost: another relay took over keys while this batch was in flight",
-                extra={"action": "lease_lost", "keys": report.leases_lost},
-            )
-        for latency in result.latencies:
-            self.metrics.commit_to_ack_seconds.observe(latency)
+            self.observer.lease_lost(report.leases_lost)
         self._last_cycle_at = time.monotonic()
         return report
 
@@ -395,11 +400,11 @@ class DatabaseRetry:
         self,
         stopping: threading.Event,
         past_shutdown_deadline: Callable[[], bool],
-        metrics: RelayMetrics,
+        observer: RelayObserver,
     ) -> None:
         self._stopping = stopping
         self._past_deadline = past_shutdown_deadline
-        self._metrics = metrics
+        self._observer = observer
         #: By thread (the claim and the record run on their own): when its step began.
         self._running_since: dict[int, float] = {}
         #: Threads whose step failed and waits to be retried.
@@ -433,12 +438,8 @@ class DatabaseRetry:
 
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            self._metrics.db_errors.inc()
+            self._observer.database_retry(state.attempt_number, exc)
             self._failing.add(me)
-            log.warning(
-                "database error, retrying",
-                extra={"action": "db_retry", "attempt": state.attempt_number, "error": str(exc)},
-            )
 
         def sleep(seconds: float) -> None:
             if stop_on_shutdown:
@@ -471,14 +472,14 @@ class SupervisedLoop:
         name: str,
         step: Callable[[], object],
         delay: Callable[[], float],
-        metrics: RelayMetrics,
+        observer: RelayObserver,
         *,
         stop_event: threading.Event | None = None,
     ) -> None:
         self.name = name
         self._step = step
         self._delay = delay
-        self._metrics = metrics
+        self._observer = observer
         self._stop = stop_event or threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"outbox-{name}", daemon=True)
 
@@ -505,8 +506,4 @@ class SupervisedLoop:
         try:
             self._step()
         except Exception as exc:
-            self._metrics.background_errors.labels(task=self.name).inc()
-            log.exception(
-                "background task failed; it runs again at its next interval",
-                extra={"action": "background_error", "task": self.name, "error": str(exc)},
-            )
+            self._observer.background_failed(self.name, exc)

@@ -1,4 +1,6 @@
-"""The relay's Prometheus metrics, in base units, on an injectable registry."""
+"""The relay's Prometheus metrics, in base units, on an injectable registry: the
+subscriber of the relay's announcements (:mod:`~outbox_kafka.relay.observe`) that
+counts them."""
 
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from outbox_kafka.relay.decide import Discard, Hold, OrderViolation, Retry, error_label
+from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.version import __version__
 
 if TYPE_CHECKING:
+    from outbox_kafka.relay.batch import Claim, RecordResult
     from outbox_kafka.relay.config import RelaySettings
+    from outbox_kafka.relay.decide import Settlement
 
 log = logging.getLogger("outbox_kafka.metrics")
 
@@ -58,8 +64,11 @@ class ProducerMetrics:
             log.debug("unreadable librdkafka statistics: %s", exc)
 
 
-class RelayMetrics:
+class RelayMetrics(RelayObserver):
     """Every metric the relay exports; pass a registry to keep tests isolated.
+
+    It subscribes to the relay's announcements: a relay counts into the metrics
+    it is given (``Relay(settings, metrics=...)``) or into metrics of its own.
 
     ``producer``: the gauges of a producer shared with other relay loops
     (kept on its own registry); by default the loop's own, on ``registry``.
@@ -216,3 +225,56 @@ class RelayMetrics:
     def observe_librdkafka_stats(self, payload: str) -> None:
         """The producer's ``stats_cb``: copy a few librdkafka statistics into gauges."""
         self.producer.observe_librdkafka_stats(payload)
+
+    # The announcements it counts ---------------------------------------------
+
+    def claimed(self, claim: Claim, seconds: float) -> None:
+        self.claim_seconds.observe(seconds)
+
+    def sent(self, claim: Claim, seconds: float) -> None:
+        self.publish_seconds.observe(seconds)
+
+    def settled(self, settlement: Settlement) -> None:
+        published: dict[str, int] = {}
+        for event in settlement.delivered:
+            published[event.topic] = published.get(event.topic, 0) + 1
+        for topic, count in published.items():
+            self.published.labels(topic=topic).inc(count)
+        for decision in settlement.decisions:
+            if isinstance(decision, OrderViolation):
+                self.order_violations.labels(topic=decision.later.topic).inc()
+            elif isinstance(decision, Hold):
+                label = error_label(decision.error)
+                self.held.labels(topic=decision.event.topic, reason=label).inc()
+            elif isinstance(decision, Retry) and not decision.copy_failed:
+                label = error_label(decision.error)
+                self.retried.labels(topic=decision.event.topic, reason=label).inc()
+            elif isinstance(decision, Discard):
+                label = error_label(decision.error)
+                self.discarded.labels(topic=decision.event.topic, reason=label).inc()
+
+    def recorded(self, result: RecordResult, seconds: float) -> None:
+        self.record_seconds.observe(seconds)
+        for latency in result.latencies:
+            self.commit_to_ack_seconds.observe(latency)
+
+    def lease_lost(self, keys: int) -> None:
+        self.leases_lost.inc(keys)
+
+    def database_retry(self, attempt: int, error: BaseException | None) -> None:
+        self.db_errors.inc()
+
+    def background_failed(self, task: str, error: Exception) -> None:
+        self.background_errors.labels(task=task).inc()
+
+    def purge_done(self, events: int) -> None:
+        self.purged.inc(events)
+
+    def sampled(self, pending: int, oldest_age_seconds: float | None, parked_keys: int) -> None:
+        self.observe_backlog(pending, oldest_age_seconds, parked_keys)
+
+    def violations_counted(self, violations: int) -> None:
+        self.consistency_violations.set(violations)
+
+    def sample_failed(self, what: str, error: Exception) -> None:
+        self.db_errors.inc()

@@ -11,7 +11,7 @@ from outbox_kafka.errors import StorageError
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.config import RelaySettings
-    from outbox_kafka.relay.metrics import RelayMetrics
+    from outbox_kafka.relay.observe import RelayObserver
     from outbox_kafka.relay.ports import ClaimStore
 
 #: The purge task logs as part of the relay, as its other steps do.
@@ -25,12 +25,12 @@ class Retention:
         self,
         store: ClaimStore,
         settings: RelaySettings,
-        metrics: RelayMetrics,
+        observer: RelayObserver,
         rng: random.Random,
     ) -> None:
         self._store = store
         self._settings = settings
-        self._metrics = metrics
+        self._observer = observer
         self._rng = rng
         self._first = True
 
@@ -51,8 +51,7 @@ class Retention:
                 batch=settings.purge_batch,
             )
         except StorageError as exc:
-            relay_log.warning("purge failed", extra={"action": "purge_failed", "error": str(exc)})
+            self._observer.purge_failed(exc)
             return
         if removed:
-            self._metrics.purged.inc(removed)
-            relay_log.info("purged old events", extra={"action": "purge", "events": removed})
+            self._observer.purge_done(removed)

@@ -15,7 +15,6 @@ leaves the gauges at their last value.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
@@ -23,9 +22,9 @@ from sqlalchemy import Engine
 from outbox_kafka.database import make_engine, storage_errors
 from outbox_kafka.errors import StorageError
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import millis, queries_for
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.observe import RelayObserver
+from outbox_kafka.schema.statements import millis, queries_for
 
 
 @dataclass(frozen=True)
@@ -100,19 +99,17 @@ class Monitor:
         self._engine.dispose()
 
 
-log = logging.getLogger("outbox_kafka.sampler")
-
-
 class BacklogSampler:
     """Sets ``outbox_pending_events``, ``outbox_oldest_pending_age_seconds``,
     ``outbox_parked_keys`` and ``outbox_consistency_violations`` every
-    ``settings.sample_interval`` seconds."""
+    ``settings.sample_interval`` seconds, announcing each sample (and each failed
+    one) to ``observer``: the metrics set the gauges, the logs say what failed."""
 
     def __init__(
-        self, settings: RelaySettings, metrics: RelayMetrics, *, monitor: Monitor | None = None
+        self, settings: RelaySettings, observer: RelayObserver, *, monitor: Monitor | None = None
     ) -> None:
         self.interval = settings.sample_interval
-        self.metrics = metrics
+        self.observer = observer
         self._monitor = monitor or Monitor.connect(settings.database_url, settings.names)
         # A sample may take at most one interval (and never more than 30 s).
         self._timeout = min(30.0, max(1.0, self.interval))
@@ -123,14 +120,9 @@ class BacklogSampler:
         try:
             backlog = self._monitor.backlog(self._timeout)
         except StorageError as exc:
-            self.metrics.db_errors.inc()
-            log.warning(
-                "backlog sample failed", extra={"action": "sample_failed", "error": str(exc)}
-            )
+            self.observer.sample_failed("backlog", exc)
             return None
-        self.metrics.observe_backlog(
-            backlog.pending, backlog.oldest_age_seconds, backlog.parked_keys
-        )
+        self.observer.sampled(backlog.pending, backlog.oldest_age_seconds, backlog.parked_keys)
         self.count_violations()
         return backlog
 
@@ -143,12 +135,9 @@ class BacklogSampler:
         try:
             violations = self._monitor.consistency_violations(self._timeout)
         except StorageError as exc:
-            self.metrics.db_errors.inc()
-            log.warning(
-                "consistency count failed", extra={"action": "sample_failed", "error": str(exc)}
-            )
+            self.observer.sample_failed("consistency", exc)
             return None
-        self.metrics.consistency_violations.set(violations)
+        self.observer.violations_counted(violations)
         return violations
 
     def delay(self) -> float:

@@ -5,39 +5,22 @@ already known to be discarded; copies of events the broker's answers discarded
 follow in a second send. Nothing is sent with less than one delivery timeout of
 the lease left (:mod:`~outbox_kafka.relay.lease`), so all of it is delivered or
 timed out before another relay can take the keys. The decisions
-(:mod:`~outbox_kafka.relay.decide`) are pure; here they are logged and counted.
+(:mod:`~outbox_kafka.relay.decide`) are pure; here they are announced to the
+relay's observers (:mod:`~outbox_kafka.relay.observe`), which log and count them.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from outbox_kafka.relay.batch import Claim, ClaimedEvent, EventOutcome, KeyOutcome, Problem, Verdict
+from outbox_kafka.relay.batch import Claim, EventOutcome, KeyOutcome, Problem, Verdict
 from outbox_kafka.relay.claim import Claimed
-from outbox_kafka.relay.decide import (
-    Discard,
-    Hold,
-    OrderViolation,
-    Retry,
-    RetryPolicy,
-    Settlement,
-    dead_letter_messages,
-    error_label,
-    note_copies,
-    plan_batch,
-)
+from outbox_kafka.relay.decide import RetryPolicy, dead_letter_messages, note_copies, plan_batch
 from outbox_kafka.relay.lease import Lease
-from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message, MessagePublisher
-from outbox_kafka.relay.tracing import SendTracing
-
-log = logging.getLogger("outbox_kafka.relay")
-
-#: Holds of one topic for one reason are logged at most this often (all are counted).
-HOLD_LOG_SECONDS = 60.0
 
 
 @dataclass
@@ -55,23 +38,19 @@ class BatchSender:
         self,
         publisher: MessagePublisher,
         policy: RetryPolicy,
-        metrics: RelayMetrics,
+        observer: RelayObserver,
         *,
         dead_letter_topic: str | None,
         lease: Lease,
         abort: Callable[[], bool],
-        tracing: SendTracing | None = None,
     ) -> None:
         self.publisher = publisher
         self.policy = policy
-        self.metrics = metrics
+        self.observer = observer
         self.dead_letter_topic = dead_letter_topic
         self._lease = lease
         self._send_timeout = lease.delivery_timeout + 5.0
         self._abort = abort
-        self._tracing = tracing or SendTracing()
-        #: By (topic, reason label): when a hold was last logged, and holds since.
-        self._holds_logged: dict[tuple[str, str], tuple[float | None, int]] = {}
 
     def send_claimed(self, claimed: Claimed) -> tuple[Claim, SentBatch]:
         """The send step of a cycle: send a claimed batch within its lease, timed; its
@@ -81,7 +60,7 @@ class BatchSender:
             return claim, SentBatch()
         started = time.monotonic()
         sent = self.send(claim, claimed.problems, self._lease.ends(claimed.asked_at))
-        self.metrics.publish_seconds.observe(time.monotonic() - started)
+        self.observer.sent(claim, time.monotonic() - started)
         return claim, sent
 
     def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
@@ -123,15 +102,10 @@ class BatchSender:
             ]
 
         batch = SentBatch(keys=plan.idle_keys, sent=len(plan.messages))
-        published: dict[str, int] = {}
         for settled in settlements:
             batch.keys.append(settled.key)
             batch.events.extend(settled.events)
-            for event in settled.delivered:
-                published[event.topic] = published.get(event.topic, 0) + 1
-            self._act_on(settled)
-        for topic, count in published.items():
-            self.metrics.published.labels(topic=topic).inc(count)
+            self.observer.settled(settled)
         return batch
 
     def _send(self, messages: list[Message], lease_ends: float) -> list[Delivery]:
@@ -157,10 +131,7 @@ class BatchSender:
         refused = [i for i, d in enumerate(deliveries) if d.verdict == Verdict.BATCH_REJECTED]
         if not refused:
             return deliveries
-        log.warning(
-            "the broker refused a record batch; sending its messages one by one",
-            extra={"action": "send_alone", "messages": len(refused)},
-        )
+        self.observer.sending_alone(len(refused))
         out = list(deliveries)
         stopped = {
             messages[i].key
@@ -193,110 +164,14 @@ class BatchSender:
         """
         left = self._lease.left(lease_ends)
         if not self._lease.room_to_send(left):
-            log.warning(
-                "too little of the lease left to send; the keys go back to the queue",
-                extra={
-                    "action": "send_skipped",
-                    "messages": len(messages),
-                    "lease_left_seconds": round(max(0.0, left), 3),
-                },
-            )
+            self.observer.send_skipped(len(messages), left)
             return [Delivery() for _ in messages]
-        traced, spans = self._tracing.start(messages)
+        sending = self.observer.before_send(messages)
         deliveries: list[Delivery] = []
         try:
-            deliveries = self.publisher.send(traced, timeout=self._send_timeout, abort=self._abort)
+            deliveries = self.publisher.send(sending, timeout=self._send_timeout, abort=self._abort)
         finally:
-            # Spans without a delivery (the send raised) end as failed.
-            self._tracing.finish(spans, deliveries + [Delivery()] * (len(spans) - len(deliveries)))
+            # Messages without a delivery (the send raised) count as not sent.
+            missing = len(sending) - len(deliveries)
+            self.observer.after_send(sending, deliveries + [Delivery() for _ in range(missing)])
         return deliveries
-
-    def _act_on(self, settled: Settlement) -> None:
-        """Log and count one key's decisions, in its sequence order."""
-        for decision in settled.decisions:
-            if isinstance(decision, OrderViolation):
-                self._order_violated(decision)
-            elif isinstance(decision, Hold):
-                self._held(decision)
-            elif isinstance(decision, Retry) and decision.copy_failed:
-                self._copy_failed(decision.event, decision.attempt, decision.error)
-            elif isinstance(decision, Retry):
-                event = decision.event
-                self.metrics.retried.labels(
-                    topic=event.topic, reason=error_label(decision.error)
-                ).inc()
-                log.warning(
-                    "send failed, will retry"
-                    if decision.counted
-                    else "the producer was reset under the send; will retry, no attempt counted",
-                    extra=event_fields(event, "retry", decision.attempt, decision.error),
-                )
-            else:
-                self._discarded(decision)
-
-    def _held(self, hold: Hold) -> None:
-        """Count a hold; log it once a minute per topic and reason, with how many
-        holds since: every held key is looked at again every few seconds."""
-        event = hold.event
-        label = error_label(hold.error)
-        self.metrics.held.labels(topic=event.topic, reason=label).inc()
-        now = time.monotonic()
-        logged_at, since = self._holds_logged.get((event.topic, label), (None, 0))
-        if logged_at is not None and now - logged_at < HOLD_LOG_SECONDS:
-            self._holds_logged[(event.topic, label)] = (logged_at, since + 1)
-            return
-        self._holds_logged[(event.topic, label)] = (now, 0)
-        log.error(
-            "event held until an operator fixes its topic; its key waits",
-            extra=event_fields(event, "hold", event.attempts, hold.error, held_since_last=since),
-        )
-
-    def _discarded(self, discard: Discard) -> None:
-        if discard.copy_failed is not None:
-            self._copy_failed(discard.event, discard.attempt, discard.copy_failed[1])
-        self.metrics.discarded.labels(
-            topic=discard.event.topic, reason=error_label(discard.error)
-        ).inc()
-        log.error(
-            "event discarded",
-            extra=event_fields(
-                discard.event, "discard", discard.attempt, discard.reason, parked=self.policy.park
-            ),
-        )
-
-    def _order_violated(self, violation: OrderViolation) -> None:
-        later = violation.later
-        self.metrics.order_violations.labels(topic=later.topic).inc()
-        log.error(
-            "a later event of a key reached Kafka while an earlier one did not",
-            extra={
-                "action": "order_violation",
-                "key": later.key,
-                "event_id": later.event_id,
-                "earlier_event_id": violation.earlier.event_id,
-                "topic": later.topic,
-            },
-        )
-
-    def _copy_failed(self, event: ClaimedEvent, attempt: int, error: str | None) -> None:
-        log.error(
-            "dead-letter copy failed",
-            extra=event_fields(
-                event, "dead_letter_failed", attempt, error, to=self.dead_letter_topic
-            ),
-        )
-
-
-def event_fields(
-    event: ClaimedEvent, action: str, attempt: int, error: str | None, **more: object
-) -> dict[str, object]:
-    """The structured fields of a log record about one event."""
-    return {
-        "action": action,
-        "event_id": event.event_id,
-        "key": event.key,
-        "topic": event.topic,
-        "attempt": attempt,
-        "error": error,
-        **more,
-    }

@@ -21,7 +21,6 @@ from outbox_kafka.database import make_engine, redact_url, storage_errors
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.purging import purge_old_events
-from outbox_kafka.queries import pg_array, pg_int_array, pg_text_array, queries_for
 from outbox_kafka.relay.batch import (
     Claim,
     ClaimedEvent,
@@ -33,6 +32,7 @@ from outbox_kafka.relay.batch import (
 )
 from outbox_kafka.relay.reports import Remaining
 from outbox_kafka.relay.wake import Wakeups
+from outbox_kafka.schema.statements import pg_array, pg_int_array, pg_text_array, queries_for
 from outbox_kafka.stored_headers import headers_from_text
 
 #: A claim of up to N keys first moves producers' arrivals into the key queue,

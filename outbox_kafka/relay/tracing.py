@@ -15,10 +15,12 @@ the process, or by ``opentelemetry-instrument``); otherwise, and without the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from outbox_kafka.relay.batch import Verdict
+from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.version import __version__
 
@@ -33,8 +35,9 @@ except ImportError:  # the otel extra is not installed
     _otel = None
 
 
-class SendTracing:
-    """Starts a span per message before a send and ends them with the delivery reports.
+class SendTracing(RelayObserver):
+    """Starts a span per message before a send and ends them with the delivery reports:
+    the relay's OpenTelemetry subscriber (:meth:`before_send`, :meth:`after_send`).
 
     ``tracer_provider``: the provider to use; default the global one, looked
     up at each send (so a provider set after the relay started is used).
@@ -43,6 +46,22 @@ class SendTracing:
     def __init__(self, tracer_provider: Any = None) -> None:
         self._provider = tracer_provider
         self._propagator = TraceContextTextMapPropagator() if _otel is not None else None
+        #: By ``id()`` of the messages :meth:`before_send` returned: their spans.
+        self._spans: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()
+
+    def before_send(self, messages: list[Message]) -> list[Message]:
+        traced, spans = self.start(messages)
+        if spans:
+            with self._lock:
+                self._spans[id(traced)] = spans
+        return traced
+
+    def after_send(self, messages: list[Message], deliveries: Sequence[Delivery]) -> None:
+        with self._lock:
+            spans = self._spans.pop(id(messages), None)
+        if spans:
+            self.finish(spans, deliveries)
 
     def _tracer(self) -> Any:
         if _otel is None:

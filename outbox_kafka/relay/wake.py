@@ -25,7 +25,7 @@ from sqlalchemy import Engine
 from outbox_kafka.database import storage_errors
 from outbox_kafka.errors import StorageError
 from outbox_kafka.naming import TableNames
-from outbox_kafka.queries import millis, queries_for
+from outbox_kafka.schema.statements import millis, queries_for
 
 
 class Wakeups:

@@ -24,6 +24,7 @@ from outbox_kafka.operations import unpark_keys
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.observe import LogObserver, Observers
 from outbox_kafka.relay.sampler import BacklogSampler
 from outbox_kafka.schema.statements import queries_for
 from tests.outage_support import DatabaseSwitch
@@ -380,7 +381,9 @@ def test_a_failed_sample_is_logged_and_counted_and_the_next_one_works(
 ) -> None:
     enqueue_bulk(engine, topic_outbox(), seq_events("orders", ["a"], 2))
     metrics = RelayMetrics()
-    sampler = BacklogSampler(RelaySettings(database_url, DEAD_BROKER), metrics)
+    sampler = BacklogSampler(
+        RelaySettings(database_url, DEAD_BROKER), Observers([metrics, LogObserver()])
+    )
     r = metrics.registry
     logger, seen = logging.getLogger("outbox_kafka.sampler"), LogRecords()
     logger.addHandler(seen)

@@ -1,0 +1,345 @@
+"""What the relay announces, and who listens.
+
+The relay's steps announce what happened (a claim taken, a batch sent, each key
+settled with its retries, holds, discards and order violations, a record, a lease
+lost, a database step retried, a purge, a backlog sample, ...) to one
+:class:`RelayObserver`. Cross-cutting concerns subscribe by overriding the
+announcements they care about, every other one being a no-op:
+
+- :class:`~outbox_kafka.relay.metrics.RelayMetrics`: the Prometheus metrics;
+- :class:`LogObserver`: the structured log lines (``extra={"action": ...}``);
+- :class:`~outbox_kafka.relay.tracing.SendTracing`: OpenTelemetry spans, the one
+  subscriber that changes what is sent (each message's ``traceparent``).
+
+:class:`Observers` hands each announcement to several subscribers, in order. A
+:class:`~outbox_kafka.relay.loop.Relay` builds the default ones (its metrics, its
+logs, its traces) and adds those it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from outbox_kafka.relay.decide import (
+    Discard,
+    Hold,
+    OrderViolation,
+    Retry,
+    Settlement,
+    error_label,
+)
+
+if TYPE_CHECKING:
+    from outbox_kafka.relay.batch import Claim, ClaimedEvent, RecordResult
+    from outbox_kafka.relay.ports import Delivery, Message
+
+log = logging.getLogger("outbox_kafka.relay")
+sampler_log = logging.getLogger("outbox_kafka.sampler")
+
+#: Holds of one topic for one reason are logged at most this often (all are counted).
+HOLD_LOG_SECONDS = 60.0
+
+
+class RelayObserver:
+    """Every announcement of the relay, each a no-op: subscribers override what they need.
+
+    Announcements come from the relay's threads (the loop, the background record,
+    the claim read ahead, the side loops); a subscriber keeping state guards it.
+    """
+
+    # The cycle ---------------------------------------------------------------
+
+    def claimed(self, claim: Claim, seconds: float) -> None:
+        """A claim was taken in ``seconds``."""
+
+    def before_send(self, messages: list[Message]) -> list[Message]:
+        """The messages about to be handed to the producer; returns what to send instead
+        (the same messages, their headers possibly changed)."""
+        return messages
+
+    def after_send(self, messages: list[Message], deliveries: Sequence[Delivery]) -> None:
+        """What became of the messages :meth:`before_send` returned (one delivery each)."""
+
+    def send_skipped(self, messages: int, lease_left: float) -> None:
+        """``messages`` were not sent: ``lease_left`` seconds of the lease were too few."""
+
+    def sending_alone(self, messages: int) -> None:
+        """The broker refused record batches; ``messages`` are sent again one by one."""
+
+    def sent(self, claim: Claim, seconds: float) -> None:
+        """A claim's batch was sent (and its dead-letter copies) in ``seconds``."""
+
+    def settled(self, settlement: Settlement) -> None:
+        """One key's decisions after its batch: delivered events, retries, holds,
+        discards, order violations (see :class:`~outbox_kafka.relay.decide.Settlement`)."""
+
+    def recorded(self, result: RecordResult, seconds: float) -> None:
+        """A batch's outcome was recorded in ``seconds``."""
+
+    def lease_lost(self, keys: int) -> None:
+        """Another relay took over ``keys`` while this relay's batch was in flight."""
+
+    def read_ahead_released(self, keys: int) -> None:
+        """A claim read ahead waited too long to be sent; its ``keys`` were released."""
+
+    # The database and the side loops ----------------------------------------
+
+    def database_retry(self, attempt: int, error: BaseException | None) -> None:
+        """A database step failed (its ``attempt``-th try) and is retried."""
+
+    def background_failed(self, task: str, error: Exception) -> None:
+        """A step of the side loop ``task`` failed unexpectedly; the loop goes on."""
+
+    def purge_done(self, events: int) -> None:
+        """Retention deleted ``events`` events."""
+
+    def purge_failed(self, error: Exception) -> None:
+        """A purge failed; it runs again at its next interval."""
+
+    def sampled(self, pending: int, oldest_age_seconds: float | None, parked_keys: int) -> None:
+        """A backlog sample was taken: pending events, the oldest one's age, parked keys."""
+
+    def violations_counted(self, violations: int) -> None:
+        """The consistency violations were counted."""
+
+    def sample_failed(self, what: str, error: Exception) -> None:
+        """A sample (``what``: ``backlog`` or ``consistency``) failed."""
+
+
+class Observers(RelayObserver):
+    """Several subscribers as one: each announcement goes to each, in order."""
+
+    def __init__(self, observers: Iterable[RelayObserver] = ()) -> None:
+        self.observers: list[RelayObserver] = list(observers)
+        #: By ``id()`` of the messages being sent: what each subscriber's
+        #: :meth:`before_send` returned, handed back to its :meth:`after_send`.
+        self._sending: dict[int, list[list[Message]]] = {}
+        self._lock = threading.Lock()
+
+    def claimed(self, claim: Claim, seconds: float) -> None:
+        for o in self.observers:
+            o.claimed(claim, seconds)
+
+    def before_send(self, messages: list[Message]) -> list[Message]:
+        returned: list[list[Message]] = []
+        for o in self.observers:
+            messages = o.before_send(messages)
+            returned.append(messages)
+        with self._lock:
+            self._sending[id(messages)] = returned
+        return messages
+
+    def after_send(self, messages: list[Message], deliveries: Sequence[Delivery]) -> None:
+        with self._lock:
+            returned = self._sending.pop(id(messages), None)
+        for i, o in enumerate(self.observers):
+            o.after_send(returned[i] if returned else messages, deliveries)
+
+    def send_skipped(self, messages: int, lease_left: float) -> None:
+        for o in self.observers:
+            o.send_skipped(messages, lease_left)
+
+    def sending_alone(self, messages: int) -> None:
+        for o in self.observers:
+            o.sending_alone(messages)
+
+    def sent(self, claim: Claim, seconds: float) -> None:
+        for o in self.observers:
+            o.sent(claim, seconds)
+
+    def settled(self, settlement: Settlement) -> None:
+        for o in self.observers:
+            o.settled(settlement)
+
+    def recorded(self, result: RecordResult, seconds: float) -> None:
+        for o in self.observers:
+            o.recorded(result, seconds)
+
+    def lease_lost(self, keys: int) -> None:
+        for o in self.observers:
+            o.lease_lost(keys)
+
+    def read_ahead_released(self, keys: int) -> None:
+        for o in self.observers:
+            o.read_ahead_released(keys)
+
+    def database_retry(self, attempt: int, error: BaseException | None) -> None:
+        for o in self.observers:
+            o.database_retry(attempt, error)
+
+    def background_failed(self, task: str, error: Exception) -> None:
+        for o in self.observers:
+            o.background_failed(task, error)
+
+    def purge_done(self, events: int) -> None:
+        for o in self.observers:
+            o.purge_done(events)
+
+    def purge_failed(self, error: Exception) -> None:
+        for o in self.observers:
+            o.purge_failed(error)
+
+    def sampled(self, pending: int, oldest_age_seconds: float | None, parked_keys: int) -> None:
+        for o in self.observers:
+            o.sampled(pending, oldest_age_seconds, parked_keys)
+
+    def violations_counted(self, violations: int) -> None:
+        for o in self.observers:
+            o.violations_counted(violations)
+
+    def sample_failed(self, what: str, error: Exception) -> None:
+        for o in self.observers:
+            o.sample_failed(what, error)
+
+
+def event_fields(
+    event: ClaimedEvent, action: str, attempt: int, error: str | None, **more: object
+) -> dict[str, object]:
+    """The structured fields of a log record about one event."""
+    return {
+        "action": action,
+        "event_id": event.event_id,
+        "key": event.key,
+        "topic": event.topic,
+        "attempt": attempt,
+        "error": error,
+        **more,
+    }
+
+
+class LogObserver(RelayObserver):
+    """The relay's structured log lines, one per announcement worth a line.
+
+    ``park``: whether a discard parks its key (said in the discard's line);
+    ``dead_letter_topic``: where copies go (said when one fails).
+    """
+
+    def __init__(self, *, park: bool = False, dead_letter_topic: str | None = None) -> None:
+        self.park = park
+        self.dead_letter_topic = dead_letter_topic
+        #: By (topic, reason label): when a hold was last logged, and holds since.
+        self._holds_logged: dict[tuple[str, str], tuple[float | None, int]] = {}
+
+    def send_skipped(self, messages: int, lease_left: float) -> None:
+        log.warning(
+            "too little of the lease left to send; the keys go back to the queue",
+            extra={
+                "action": "send_skipped",
+                "messages": messages,
+                "lease_left_seconds": round(max(0.0, lease_left), 3),
+            },
+        )
+
+    def sending_alone(self, messages: int) -> None:
+        log.warning(
+            "the broker refused a record batch; sending its messages one by one",
+            extra={"action": "send_alone", "messages": messages},
+        )
+
+    def settled(self, settlement: Settlement) -> None:
+        """Log one key's decisions, in its sequence order."""
+        for decision in settlement.decisions:
+            if isinstance(decision, OrderViolation):
+                self._order_violated(decision)
+            elif isinstance(decision, Hold):
+                self._held(decision)
+            elif isinstance(decision, Retry) and decision.copy_failed:
+                self._copy_failed(decision.event, decision.attempt, decision.error)
+            elif isinstance(decision, Retry):
+                self._retried(decision)
+            elif isinstance(decision, Discard):
+                self._discarded(decision)
+
+    def _retried(self, retry: Retry) -> None:
+        log.warning(
+            "send failed, will retry"
+            if retry.counted
+            else "the producer was reset under the send; will retry, no attempt counted",
+            extra=event_fields(retry.event, "retry", retry.attempt, retry.error),
+        )
+
+    def _held(self, hold: Hold) -> None:
+        """Log a hold once a minute per topic and reason, with how many holds since:
+        every held key is looked at again every few seconds."""
+        event = hold.event
+        label = error_label(hold.error)
+        now = time.monotonic()
+        logged_at, since = self._holds_logged.get((event.topic, label), (None, 0))
+        if logged_at is not None and now - logged_at < HOLD_LOG_SECONDS:
+            self._holds_logged[(event.topic, label)] = (logged_at, since + 1)
+            return
+        self._holds_logged[(event.topic, label)] = (now, 0)
+        log.error(
+            "event held until an operator fixes its topic; its key waits",
+            extra=event_fields(event, "hold", event.attempts, hold.error, held_since_last=since),
+        )
+
+    def _discarded(self, discard: Discard) -> None:
+        if discard.copy_failed is not None:
+            self._copy_failed(discard.event, discard.attempt, discard.copy_failed[1])
+        log.error(
+            "event discarded",
+            extra=event_fields(
+                discard.event, "discard", discard.attempt, discard.reason, parked=self.park
+            ),
+        )
+
+    def _order_violated(self, violation: OrderViolation) -> None:
+        later = violation.later
+        log.error(
+            "a later event of a key reached Kafka while an earlier one did not",
+            extra={
+                "action": "order_violation",
+                "key": later.key,
+                "event_id": later.event_id,
+                "earlier_event_id": violation.earlier.event_id,
+                "topic": later.topic,
+            },
+        )
+
+    def _copy_failed(self, event: ClaimedEvent, attempt: int, error: str | None) -> None:
+        log.error(
+            "dead-letter copy failed",
+            extra=event_fields(
+                event, "dead_letter_failed", attempt, error, to=self.dead_letter_topic
+            ),
+        )
+
+    def lease_lost(self, keys: int) -> None:
+        log.warning(
+            "lease lost: another relay took over keys while this batch was in flight",
+            extra={"action": "lease_lost", "keys": keys},
+        )
+
+    def read_ahead_released(self, keys: int) -> None:
+        log.info(
+            "claim read ahead outlived its use; released",
+            extra={"action": "release", "keys": keys},
+        )
+
+    def database_retry(self, attempt: int, error: BaseException | None) -> None:
+        log.warning(
+            "database error, retrying",
+            extra={"action": "db_retry", "attempt": attempt, "error": str(error)},
+        )
+
+    def background_failed(self, task: str, error: Exception) -> None:
+        log.error(
+            "background task failed; it runs again at its next interval",
+            exc_info=error,
+            extra={"action": "background_error", "task": task, "error": str(error)},
+        )
+
+    def purge_done(self, events: int) -> None:
+        log.info("purged old events", extra={"action": "purge", "events": events})
+
+    def purge_failed(self, error: Exception) -> None:
+        log.warning("purge failed", extra={"action": "purge_failed", "error": str(error)})
+
+    def sample_failed(self, what: str, error: Exception) -> None:
+        message = "backlog sample failed" if what == "backlog" else "consistency count failed"
+        sampler_log.warning(message, extra={"action": "sample_failed", "error": str(error)})

@@ -1,0 +1,88 @@
+"""The relay's announcements (outbox_kafka/relay/observe.py): every subscriber hears the
+same story, the metrics count it, and one more subscriber can be given to a Relay."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from outbox_kafka.relay import Relay, RelayMetrics, RelaySettings
+from outbox_kafka.relay.batch import Claim, RecordResult
+from outbox_kafka.relay.decide import Discard, Settlement
+from outbox_kafka.relay.observe import Observers, RelayObserver
+from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.testing import InMemoryStore, StubPublisher
+
+
+class _Recorder(RelayObserver):
+    def __init__(self) -> None:
+        self.heard: list[str] = []
+        self.delivered: list[str] = []
+        self.discarded: list[str] = []
+
+    def claimed(self, claim: Claim, seconds: float) -> None:
+        self.heard.append("claimed")
+
+    def before_send(self, messages: list[Message]) -> list[Message]:
+        self.heard.append(f"before_send {len(messages)}")
+        return messages
+
+    def after_send(self, messages: list[Message], deliveries: object) -> None:
+        self.heard.append(f"after_send {len(messages)}")
+
+    def sent(self, claim: Claim, seconds: float) -> None:
+        self.heard.append("sent")
+
+    def settled(self, settlement: Settlement) -> None:
+        self.delivered += [e.event_id for e in settlement.delivered]
+        self.discarded += [d.event.event_id for d in settlement.decisions if isinstance(d, Discard)]
+
+    def recorded(self, result: RecordResult, seconds: float) -> None:
+        self.heard.append(f"recorded {result.delivered}+{result.discarded}")
+
+
+def _value(metrics: RelayMetrics, name: str) -> float:
+    return sum(s.value for m in metrics.registry.collect() for s in m.samples if s.name == name)
+
+
+def test_a_relay_given_an_observer_announces_each_step_to_it_and_still_counts() -> None:
+    store = InMemoryStore()
+    outbox = store.outbox(source="/orders")
+    outbox.enqueue(None, type="order.created", key="good", topic="orders", data={"n": 1})
+    broken = store.append("bad", "orders", b"not an envelope")
+    recorder = _Recorder()
+    metrics = RelayMetrics(CollectorRegistry())
+    settings = RelaySettings(database_url="postgresql://unused/db", bootstrap_servers="unused:1")
+    relay = Relay(settings, store=store, publisher=StubPublisher(), metrics=metrics,
+                  observers=[recorder])  # fmt: skip
+    report = relay.drain()
+    relay.close()
+    assert (report.delivered, report.discarded) == (1, 1)
+    assert recorder.heard[:4] == ["claimed", "before_send 1", "after_send 1", "sent"]
+    assert "recorded 1+1" in recorder.heard
+    assert len(recorder.delivered) == 1 and recorder.discarded == [broken.event_id]
+    assert _value(metrics, "outbox_events_published_total") == 1
+    assert _value(metrics, "outbox_events_discarded_total") == 1
+    assert _value(metrics, "outbox_claim_duration_seconds_count") >= 1
+
+
+def test_observers_hand_each_subscriber_back_the_messages_it_returned() -> None:
+    seen: list[tuple[str, list[Message]]] = []
+
+    class Renaming(RelayObserver):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def before_send(self, messages: list[Message]) -> list[Message]:
+            return [m._replace(topic=f"{m.topic}.{self.name}") for m in messages]
+
+        def after_send(self, messages: list[Message], deliveries: object) -> None:
+            seen.append((self.name, messages))
+
+    observers = Observers([Renaming("a"), Renaming("b")])
+    sending = observers.before_send([Message("t", b"k", b"v", [])])
+    observers.after_send(sending, [Delivery()])
+    assert [m.topic for m in sending] == ["t.a.b"]
+    assert [(name, [m.topic for m in ms]) for name, ms in seen] == [
+        ("a", ["t.a"]),
+        ("b", ["t.a.b"]),
+    ]
