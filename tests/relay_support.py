@@ -25,8 +25,10 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay import CycleReport, Relay
+from outbox_kafka.relay import Relay
+from outbox_kafka.relay.batch import RecordResult
 from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.schema.statements import queries_for
 
 # --------------------------------------------------------------------------- settings
@@ -393,25 +395,39 @@ def _close(sock: socket.socket) -> None:
 # --------------------------------------------------------------------------- relay threads
 
 
+class RecordCounter(RelayObserver):
+    """Counts what a relay announces it recorded: batches, and their events and keys."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: Batches recorded (in the loop or in the background), releases included.
+        self.batches = 0
+        self.totals: collections.Counter[str] = collections.Counter()
+
+    def recorded(self, result: RecordResult, seconds: float) -> None:
+        with self.lock:
+            self.batches += 1
+            self.totals.update(
+                delivered=result.delivered,
+                retried=result.retried,
+                discarded=result.discarded,
+                keys_removed=result.keys_removed,
+            )
+
+    def lease_lost(self, keys: int) -> None:
+        with self.lock:
+            self.totals["leases_lost"] += keys
+
+
 class RelayThread:
-    """``Relay.run()`` in a thread; remembers an exception that killed it."""
+    """``Relay.run()`` in a thread; remembers an exception that killed it, and counts
+    what the relay recorded (see :class:`RecordCounter`)."""
 
     def __init__(self, relay: Relay, name: str = "relay") -> None:
         self.relay = relay
         self.error: BaseException | None = None
-        self.cycles = 0
-        self.reports: list[CycleReport] = []
-        original: Callable[..., CycleReport] = relay._record
-
-        def counting_record(*batch: Any) -> CycleReport:
-            # Every claimed batch's outcome is recorded here, in the loop or in the
-            # background, exactly once.
-            report = original(*batch)
-            self.cycles += 1
-            self.reports.append(report)
-            return report
-
-        relay._record = counting_record  # type: ignore[method-assign]
+        self.counter = RecordCounter()
+        relay.observer.observers.append(self.counter)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _run(self) -> None:
@@ -434,8 +450,16 @@ class RelayThread:
         if self._thread.is_alive():
             raise AssertionError("the relay thread did not stop in time")
 
+    @property
+    def cycles(self) -> int:
+        """Batches recorded so far."""
+        return self.counter.batches
+
     def total(self, field: str) -> int:
-        return sum(int(getattr(r, field)) for r in list(self.reports))
+        """The sum of ``field`` (delivered, retried, discarded, keys_removed, leases_lost)
+        over the batches recorded so far."""
+        with self.counter.lock:
+            return self.counter.totals[field]
 
 
 @contextlib.contextmanager

@@ -230,6 +230,14 @@ class Relay:
         self._waiting.close()
         self.store.close()
 
+    def abandon(self) -> None:
+        """Let the relay go as a crash would: its background claim and record are not
+        waited for, nothing more is released or recorded, and its store and producer
+        stay open. For tests that kill a relay in place; a relay that is done with
+        calls :meth:`close`."""
+        self._claimer.shutdown(wait=False)
+        self._recorder.shutdown(wait=False)
+
     # The cycle ---------------------------------------------------------------
 
     def _guarded_cycle(self) -> tuple[CycleReport, bool]:

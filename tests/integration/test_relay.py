@@ -34,6 +34,7 @@ from outbox_kafka.operations import requeue_events
 from outbox_kafka.relay import CycleReport, Relay
 from outbox_kafka.relay.batch import EventOutcome, KeyOutcome
 from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.statements import pg_array, pg_int_array, pg_text_array, queries_for
 from outbox_kafka.stored_headers import headers_from_json, message_size
@@ -1009,6 +1010,16 @@ def test_drain_and_stop_give_back_the_claim_read_ahead(
     assert per_key_order(records) == ids_by_key(first + second, ids)
 
 
+class ReleaseCounter(RelayObserver):
+    """Counts the claims read ahead that a relay released unsent, too old to use."""
+
+    def __init__(self) -> None:
+        self.claims = 0
+
+    def read_ahead_released(self, keys: int) -> None:
+        self.claims += 1
+
+
 def test_a_claim_read_ahead_behind_a_slow_send_is_claimed_afresh_not_sent_late(
     engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
 ) -> None:
@@ -1022,25 +1033,19 @@ def test_a_claim_read_ahead_behind_a_slow_send_is_claimed_afresh_not_sent_late(
         )
     )
     send = relay.publisher.send
-    release = relay._release
-    released = 0
+    released = ReleaseCounter()
+    relay.observer.observers.append(released)
 
     def slow_send(*args: Any, **kwargs: Any) -> Any:
         time.sleep(2.0)  # a broker that answers late, within the delivery timeout
         return send(*args, **kwargs)
 
-    def counted_release(claim: Any) -> None:
-        nonlocal released
-        released += 1
-        release(claim)
-
     relay.publisher.send = slow_send  # type: ignore[method-assign]
-    relay._release = counted_release  # type: ignore[method-assign]
     try:
         report = relay.drain()
     finally:
         relay.close()
-    assert released > 0, "no claim was read ahead behind a slow send"
+    assert released.claims > 0, "no claim was read ahead behind a slow send"
     assert report.leases_lost == 0
     assert report.delivered == 300
     records = consume_all(kafka_bootstrap, topic, 300)

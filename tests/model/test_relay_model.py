@@ -658,8 +658,7 @@ class RelayModel(RuleBasedStateMachine):
         finally:
             relay_loop.wait_exponential_jitter = self._wait  # type: ignore[assignment]
             for relay, _, _ in self.relays:
-                relay._recorder.shutdown(wait=False)
-                relay._claimer.shutdown(wait=False)
+                relay.abandon()
 
 
 RelayModel.TestCase.settings = settings(
