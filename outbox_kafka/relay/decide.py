@@ -529,12 +529,18 @@ def _copy(discard: Discard, topic: str) -> Message:
 
 def note_copies(
     discards: list[Discard],
+    sent: list[Message],
     deliveries: list[Delivery],
     copies: dict[int, tuple[Verdict, str | None]],
 ) -> None:
-    """Record in ``copies`` how the dead-letter copies of ``discards`` fared, where
-    they were sent (``deliveries`` is empty where no copy was made)."""
-    for discard, delivery in zip(discards, deliveries, strict=False):
+    """Record in ``copies`` how the dead-letter copies ``sent`` of ``discards`` fared
+    (``deliveries``, one per copy sent). A discard whose copy was not made (too large
+    for its topic, no topic) has its verdict in ``copies`` already."""
+    answers = {m.event_id: d for m, d in zip(sent, deliveries, strict=True)}
+    for discard in discards:
+        delivery = answers.get(discard.event.event_id)
+        if delivery is None:
+            continue
         if not delivery.sent:
             copies[id(discard.event)] = COPY_NOT_SENT
         elif not delivery.reported:

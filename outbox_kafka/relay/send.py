@@ -77,7 +77,7 @@ class BatchSender:
             deliveries = self._send(plan.messages + first_copies, lease_ends)
             sent = deliveries[: len(plan.messages)]
             results.deliveries = {id(e): d for e, d in zip(plan.events, sent, strict=True)}
-            note_copies(first, deliveries[len(plan.messages) :], results.copies)
+            note_copies(first, first_copies, deliveries[len(plan.messages) :], results.copies)
 
         # One walk per key decides both its next state and the dead-letter copies
         # the broker's answers call for; a key that needs copies is walked again
@@ -93,7 +93,9 @@ class BatchSender:
                 later, self.dead_letter_topic, topic_problem, results.copies, message_limit
             )
             if later_copies:
-                note_copies(later, self._send(later_copies, lease_ends), results.copies)
+                note_copies(
+                    later, later_copies, self._send(later_copies, lease_ends), results.copies
+                )
             settlements = [
                 self.policy.settle(claimed, due, results, limit)
                 if settled.copies_to_send

@@ -229,8 +229,10 @@ def test_a_copy_too_large_for_the_dead_letter_topic_is_impossible() -> None:
 def test_how_the_copies_fared_is_noted_by_their_deliveries() -> None:
     unsent, unreported, reset, refused, landed = (discard(n) for n in range(1, 6))
     copies: dict[int, tuple[Verdict, str | None]] = {}
+    discards = [unsent, unreported, reset, refused, landed]
     note_copies(
-        [unsent, unreported, reset, refused, landed],
+        discards,
+        dead_letter_messages(discards, "dead", no_problem, {}),
         [
             Delivery(Verdict.UNSENT),
             Delivery(Verdict.UNREPORTED, sent=True),

@@ -624,3 +624,19 @@ def test_a_producer_fenced_after_a_refused_batch_charges_no_attempt_to_innocent_
     relay.drain_all(timeout=5)
     ((status, attempts, error),) = [(e.status, e.attempts, e.error) for e in store.events("b")]
     assert (status, attempts, error) == ("delivered", 0, None)
+
+
+def test_each_dead_letter_copy_answer_goes_to_its_own_event_when_one_copy_is_too_large() -> None:
+    # The answers of the copies sent were matched to the discards in order, so the
+    # copy left out for its size took the next event's answer, and the last event
+    # got none (its delivered copy was counted as not sent).
+    store = InMemoryStore()
+    kafka = StubPublisher(message_limits={"t": 300, "dlq": 1000})
+    for key, pad in (("a", 400), ("b", 1200), ("c", 400)):
+        store.enqueue(_outbox(), Event(type="x.y", key=key, topic="t", data={"pad": "x" * pad}))
+    _relay(store, kafka, dead_letter_topic="dlq").drain()
+    ((a,), (b,), (c,)) = (store.events(k) for k in ("a", "b", "c"))
+    assert (a.status, c.status) == ("discarded", "discarded"), (a.error, c.error)
+    assert b.status == "discarded" and "dead-letter copy impossible" in (b.error or "")
+    assert "dead-letter copy impossible" not in (a.error or "") + (c.error or "")
+    assert sorted(m.key for m in kafka.messages("dlq")) == [b"a", b"c"]
