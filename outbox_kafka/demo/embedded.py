@@ -154,8 +154,11 @@ def _postmaster_pid(data_dir: Path) -> int | None:
 def postgres_running(data_dir: Path) -> bool:
     """Whether the ``postmaster.pid`` in ``data_dir`` names a live process."""
     pid = _postmaster_pid(data_dir)
-    if pid is None:
-        return False
+    return pid is not None and process_alive(pid)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -29,6 +29,7 @@ from .embedded import (
     free_port,
     port_is_free,
     postgres_running,
+    process_alive,
     start_broker,
     start_postgres_on_port,
 )
@@ -157,16 +158,6 @@ def _write_state(data_dir: Path, broker: EmbeddedBroker) -> None:
     (data_dir / _STATE_FILE).write_text(json.dumps(state))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _command_line(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -182,7 +173,7 @@ def _stop_leftovers(data_dir: Path) -> None:
     except (OSError, ValueError):
         state = {}
     owner = state.get("pid")
-    if isinstance(owner, int) and owner != os.getpid() and _alive(owner):
+    if isinstance(owner, int) and owner != os.getpid() and process_alive(owner):
         raise ConfigurationError(
             f"outbox-kafka dev already runs on {data_dir} (pid {owner}); "
             "stop it, or give this one another --data-dir"
@@ -190,12 +181,12 @@ def _stop_leftovers(data_dir: Path) -> None:
     broker_pid = state.get("broker_pid")
     if (
         isinstance(broker_pid, int)
-        and _alive(broker_pid)
+        and process_alive(broker_pid)
         and broker_binary() in _command_line(broker_pid)
     ):
         os.kill(broker_pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while _alive(broker_pid) and time.monotonic() < deadline:
+        while process_alive(broker_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
     pg_dir = data_dir / "postgres"
     if postgres_running(pg_dir):
