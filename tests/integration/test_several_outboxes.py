@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -177,17 +178,12 @@ def test_relay_and_check_take_an_outboxes_file(
         _check_topic(kafka_bootstrap, topic)
 
 
-def test_check_looks_for_each_outboxs_own_dead_letter_topic(
-    three_outboxes: Outboxes, kafka_bootstrap: str, tmp_path: Path
-) -> None:
-    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
-    file = tmp_path / "dead-letters.toml"
-    file.write_text(
-        '[outboxes.first]\ndead_letter_topic = "no-such-dlt-first"\n'
-        '[outboxes.tenant]\nschema = "tenant_b"\n',
-        encoding="utf-8",
-    )
-    checked = run_cli(
+def _check_file(
+    outboxes: Outboxes, kafka_bootstrap: str, file: Path
+) -> subprocess.CompletedProcess[str]:
+    """``outbox-kafka check`` of the outboxes ``file``, the first outbox's URL the default."""
+    first_url = outboxes.engines["first"].url.render_as_string(hide_password=False)
+    return run_cli(
         "check",
         "--outboxes-file",
         str(file),
@@ -196,6 +192,18 @@ def test_check_looks_for_each_outboxs_own_dead_letter_topic(
         "--bootstrap-servers",
         kafka_bootstrap,
     )
+
+
+def test_check_looks_for_each_outboxs_own_dead_letter_topic(
+    three_outboxes: Outboxes, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    file = tmp_path / "dead-letters.toml"
+    file.write_text(
+        '[outboxes.first]\ndead_letter_topic = "no-such-dlt-first"\n'
+        '[outboxes.tenant]\nschema = "tenant_b"\n',
+        encoding="utf-8",
+    )
+    checked = _check_file(three_outboxes, kafka_bootstrap, file)
     assert checked.returncode == 1, checked.stdout + checked.stderr
     lines = checked.stdout.splitlines()
     assert any("topic no-such-dlt-first" in line and "FAIL" in line for line in lines), lines
@@ -204,18 +212,9 @@ def test_check_looks_for_each_outboxs_own_dead_letter_topic(
 def test_check_names_an_outbox_whose_table_is_missing(
     three_outboxes: Outboxes, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
     file = tmp_path / "missing.toml"
     file.write_text('[outboxes.first]\n[outboxes.ghost]\nschema = "nowhere"\n', encoding="utf-8")
-    checked = run_cli(
-        "check",
-        "--outboxes-file",
-        str(file),
-        "--database-url",
-        first_url,
-        "--bootstrap-servers",
-        kafka_bootstrap,
-    )
+    checked = _check_file(three_outboxes, kafka_bootstrap, file)
     assert checked.returncode == 1, checked.stdout + checked.stderr
     lines = checked.stdout.splitlines()
     assert any("migrations [first]" in line and "OK" in line for line in lines), lines
