@@ -33,6 +33,7 @@ from outbox_kafka.producer.envelope import EncodedEvent
 from outbox_kafka.producer.outbox import Event, Outbox
 from outbox_kafka.producer.writing import Connectable, OutboxWriter
 from outbox_kafka.relay.batch import (
+    HELD_REASONS_SHOWN,
     Claim,
     ClaimedEvent,
     ClaimedKey,
@@ -41,10 +42,10 @@ from outbox_kafka.relay.batch import (
     KeyOutcome,
     Problem,
     RecordResult,
+    Remaining,
     Verdict,
 )
 from outbox_kafka.relay.ports import Delivery, Message
-from outbox_kafka.relay.reports import HELD_REASONS_SHOWN, Remaining
 from outbox_kafka.relay.wake import Wakeups
 from outbox_kafka.stored_headers import headers_size
 

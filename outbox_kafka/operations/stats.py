@@ -9,7 +9,7 @@ from sqlalchemy import Engine
 
 from outbox_kafka.database import storage_errors
 from outbox_kafka.naming import TableNames
-from outbox_kafka.relay.reports import Remaining
+from outbox_kafka.relay.batch import Remaining
 from outbox_kafka.schema.statements import queries_for
 
 from .events import DiscardedEvent, ParkedKey

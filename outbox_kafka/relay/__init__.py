@@ -11,9 +11,9 @@ fenced record), all driven by :mod:`~outbox_kafka.relay.loop` under the rules of
 
 from __future__ import annotations
 
+from outbox_kafka.relay.batch import CycleReport, DrainResult, Remaining
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.loop import Relay
 from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.reports import CycleReport, DrainResult, Remaining
 
 __all__ = ["CycleReport", "DrainResult", "Relay", "RelayMetrics", "RelaySettings", "Remaining"]

@@ -57,11 +57,11 @@ from prometheus_client.registry import Collector
 from outbox_kafka.database import normalise_url
 from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.naming import TableNames
+from outbox_kafka.relay.batch import CycleReport, DrainResult
 from outbox_kafka.relay.config import SECONDS_PER_DAY, RelaySettings
 from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.loop import Relay
 from outbox_kafka.relay.metrics import ProducerMetrics, RelayMetrics
-from outbox_kafka.relay.reports import CycleReport, DrainResult
 
 #: An outbox's name: a metrics label value and part of log lines, so short and plain.
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")

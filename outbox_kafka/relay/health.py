@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from outbox_kafka.errors import StorageError
 from outbox_kafka.logs import redact
-from outbox_kafka.relay.sampler import Monitor
+from outbox_kafka.relay.metrics import Monitor
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.config import RelaySettings

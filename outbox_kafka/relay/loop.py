@@ -7,13 +7,16 @@ the store). No transaction is open while messages are in flight. What to send
 and what becomes of each event is decided in :mod:`~outbox_kafka.relay.decide`;
 this module keeps the lifecycle, the pipeline and the record step, the database
 steps' retries through transient failures (:class:`DatabaseRetry`), and the
-supervised side loops (:class:`SupervisedLoop`: retention, the backlog sampler).
-The producer API never imports it.
+supervised side loops (:class:`SupervisedLoop`): the backlog sampler and
+retention (:class:`Retention`, the relay's purge of delivered events, through the
+store's :func:`outbox_kafka.purging.purge_old_events`, which ``outbox-kafka purge``
+shares). The producer API never imports it.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,21 +26,17 @@ from typing import TypeVar
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from outbox_kafka.errors import StorageError
-from outbox_kafka.relay.batch import Claim, KeyOutcome
+from outbox_kafka.relay.batch import Claim, CycleReport, DrainResult, KeyOutcome
 from outbox_kafka.relay.claim import Claimed, Claimer, worth_reading_ahead
 from outbox_kafka.relay.config import RelaySettings, redact_kafka_config
 from outbox_kafka.relay.decide import RetryPolicy
 from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.lease import Lease
-from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.observe import LogObserver, Observers, RelayObserver
+from outbox_kafka.relay.metrics import BacklogSampler, RelayMetrics
+from outbox_kafka.relay.observe import LogObserver, Observers, RelayObserver, SendTracing
 from outbox_kafka.relay.ports import ClaimStore, MessagePublisher
-from outbox_kafka.relay.reports import CycleReport, DrainResult
-from outbox_kafka.relay.retention import Retention
-from outbox_kafka.relay.sampler import BacklogSampler
 from outbox_kafka.relay.send import BatchSender, SentBatch
 from outbox_kafka.relay.store import Store
-from outbox_kafka.relay.tracing import SendTracing
 from outbox_kafka.relay.wake import Waiting
 
 log = logging.getLogger("outbox_kafka.relay")
@@ -515,3 +514,42 @@ class SupervisedLoop:
             self._step()
         except Exception as exc:
             self._observer.background_failed(self.name, exc)
+
+
+class Retention:
+    """The relay's purge task: when to purge next, and one purge."""
+
+    def __init__(
+        self,
+        store: ClaimStore,
+        settings: RelaySettings,
+        observer: RelayObserver,
+        rng: random.Random,
+    ) -> None:
+        self._store = store
+        self._settings = settings
+        self._observer = observer
+        self._rng = rng
+        self._first = True
+
+    def delay(self) -> float:
+        """Seconds to the next purge: spread relays' purges apart; the first comes soon."""
+        if self._first:
+            self._first = False
+            return min(self._settings.purge_interval, 10.0) * self._rng.random()
+        return self._settings.purge_interval
+
+    def run_once(self) -> None:
+        """Delete delivered and discarded events past their retention, in bounded batches."""
+        settings = self._settings
+        try:
+            removed = self._store.purge(
+                delivered_seconds=settings.retain_delivered_seconds,
+                discarded_seconds=settings.retain_discarded_seconds,
+                batch=settings.purge_batch,
+            )
+        except StorageError as exc:
+            self._observer.purge_failed(exc)
+            return
+        if removed:
+            self._observer.purge_done(removed)

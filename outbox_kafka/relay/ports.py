@@ -13,8 +13,7 @@ from outbox_kafka.relay.batch import Problem, Verdict
 if TYPE_CHECKING:
     import uuid
 
-    from outbox_kafka.relay.batch import Claim, EventOutcome, KeyOutcome, RecordResult
-    from outbox_kafka.relay.reports import Remaining
+    from outbox_kafka.relay.batch import Claim, EventOutcome, KeyOutcome, RecordResult, Remaining
     from outbox_kafka.relay.wake import Wakeups
 
 

@@ -29,8 +29,8 @@ from outbox_kafka.relay.batch import (
     EventStatus,
     KeyOutcome,
     RecordResult,
+    Remaining,
 )
-from outbox_kafka.relay.reports import Remaining
 from outbox_kafka.relay.wake import Wakeups
 from outbox_kafka.schema.statements import pg_array, pg_int_array, pg_text_array, queries_for
 from outbox_kafka.stored_headers import headers_from_text

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_kafka.relay.batch import EventOutcome, EventStatus, KeyOutcome
-from outbox_kafka.relay.reports import Remaining
+from outbox_kafka.relay.batch import EventOutcome, EventStatus, KeyOutcome, Remaining
 from tests.contract.stores import StoreUnderTest, claim
 
 

@@ -25,8 +25,8 @@ from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batch import EventOutcome, KeyOutcome, Verdict
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.kafka import Publisher
+from outbox_kafka.relay.metrics import Monitor
 from outbox_kafka.relay.ports import Delivery, Message
-from outbox_kafka.relay.sampler import Monitor
 from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     admit_arrivals,

@@ -23,9 +23,8 @@ from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import unpark_keys
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.metrics import RelayMetrics
+from outbox_kafka.relay.metrics import BacklogSampler, RelayMetrics
 from outbox_kafka.relay.observe import LogObserver, Observers
-from outbox_kafka.relay.sampler import BacklogSampler
 from outbox_kafka.schema.statements import queries_for
 from tests.outage_support import DatabaseSwitch
 from tests.relay_support import (

@@ -27,8 +27,7 @@ from outbox_kafka.operations import (
     unpark,
     unpark_keys,
 )
-from outbox_kafka.relay.batch import EventOutcome, KeyOutcome
-from outbox_kafka.relay.reports import CycleReport, DrainResult
+from outbox_kafka.relay.batch import CycleReport, DrainResult, EventOutcome, KeyOutcome
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.statements import queries_for
 from tests.operator_support import (

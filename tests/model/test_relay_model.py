@@ -59,12 +59,12 @@ from outbox_kafka.relay.batch import (
     KeyOutcome,
     Problem,
     RecordResult,
+    Remaining,
     Verdict,
 )
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.kafka import classify
 from outbox_kafka.relay.ports import Delivery, Message
-from outbox_kafka.relay.reports import Remaining
 from outbox_kafka.testing import InMemoryStore
 
 #: Claims in a row a due key may be left out of by the byte budget while a key

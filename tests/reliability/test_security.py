@@ -33,8 +33,7 @@ from outbox_kafka.relay import Relay
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.health import HealthChecks
 from outbox_kafka.relay.kafka import Publisher
-from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.sampler import BacklogSampler
+from outbox_kafka.relay.metrics import BacklogSampler, RelayMetrics
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.migrations import migration_script
 from tests.relay_support import (

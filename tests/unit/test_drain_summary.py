@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox_kafka.relay.reports import CycleReport, DrainResult, Remaining
+from outbox_kafka.relay.batch import CycleReport, DrainResult, Remaining
 
 REASON = (
     "UNKNOWN_TOPIC: topic 'orders' does not exist and topic creation is off "

@@ -26,7 +26,7 @@ ALLOWED_ACROSS: dict[str, set[str]] = {
     "contrib": {"producer"},
     # the relay's retention defaults (so purge and relay agree) and its report of what
     # is left (so stats and a drain count alike)
-    "operations": {"relay.config", "relay.reports"},
+    "operations": {"relay.config", "relay.batch"},
 }
 
 

@@ -22,7 +22,7 @@ def test_without_opentelemetry_enqueue_and_the_relay_trace_nothing() -> None:
         import outbox_kafka
         from outbox_kafka.producer.trace_context import current_traceparent
         from outbox_kafka.relay.ports import Delivery, Message
-        from outbox_kafka.relay.tracing import SendTracing
+        from outbox_kafka.relay.observe import SendTracing
 
         assert current_traceparent() is None
         message = Message("t", b"k", b"{}", [("id", b"x")], "x")
