@@ -103,7 +103,8 @@ class BatchSender:
                 for (claimed, due), settled in zip(plan.keys, settlements, strict=True)
             ]
 
-        batch = SentBatch(keys=plan.idle_keys, sent=len(plan.messages))
+        handed = sum(1 for delivery in results.deliveries.values() if delivery.sent)
+        batch = SentBatch(keys=plan.idle_keys, sent=handed)
         for settled in settlements:
             batch.keys.append(settled.key)
             batch.events.extend(settled.events)
