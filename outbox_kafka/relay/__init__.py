@@ -4,8 +4,8 @@ records what Kafka acknowledged. Start it with ``outbox-kafka relay`` or
 
 One event's walk, module by module: :mod:`~outbox_kafka.relay.claim` (the claim and
 the checks), :mod:`~outbox_kafka.relay.decide` (what to send, and what becomes of
-each event), :mod:`~outbox_kafka.relay.send` with :mod:`~outbox_kafka.relay.kafka`
-(the producer and its delivery reports), :mod:`~outbox_kafka.relay.store` (the
+each event), :mod:`~outbox_kafka.relay.send` (the send under the
+lease, the producer and its delivery reports), :mod:`~outbox_kafka.relay.store` (the
 fenced record), all driven by :mod:`~outbox_kafka.relay.loop` under the rules of
 :mod:`~outbox_kafka.relay.lease`."""
 

@@ -59,9 +59,9 @@ from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay.batch import CycleReport, DrainResult
 from outbox_kafka.relay.config import SECONDS_PER_DAY, RelaySettings
-from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.loop import Relay
 from outbox_kafka.relay.metrics import ProducerMetrics, RelayMetrics
+from outbox_kafka.relay.send import Publisher
 
 #: An outbox's name: a metrics label value and part of log lines, so short and plain.
 _NAME = re.compile(r"[a-z][a-z0-9_-]{0,62}")

@@ -30,12 +30,11 @@ from outbox_kafka.relay.batch import Claim, CycleReport, DrainResult, KeyOutcome
 from outbox_kafka.relay.claim import Claimed, Claimer, worth_reading_ahead
 from outbox_kafka.relay.config import RelaySettings, redact_kafka_config
 from outbox_kafka.relay.decide import RetryPolicy
-from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.lease import Lease
 from outbox_kafka.relay.metrics import BacklogSampler, RelayMetrics
 from outbox_kafka.relay.observe import LogObserver, Observers, RelayObserver, SendTracing
 from outbox_kafka.relay.ports import ClaimStore, MessagePublisher
-from outbox_kafka.relay.send import BatchSender, SentBatch
+from outbox_kafka.relay.send import BatchSender, Publisher, SentBatch
 from outbox_kafka.relay.store import Store
 from outbox_kafka.relay.wake import Waiting
 

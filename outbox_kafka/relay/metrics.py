@@ -5,7 +5,7 @@ backlog reads behind its gauges.
 (:mod:`~outbox_kafka.relay.observe`) that counts them.
 
 :class:`Monitor` reads one outbox: a ping for readiness probes
-(:mod:`~outbox_kafka.relay.health`), and the backlog and consistency samples behind
+(:mod:`~outbox_kafka.relay.serve`), and the backlog and consistency samples behind
 the gauges. Cheap statements, each with a timeout, on a small engine of their own so
 that probes never wait behind the relay's work. :class:`BacklogSampler` sets the
 gauges (pending events, oldest pending age, parked keys and consistency violations)

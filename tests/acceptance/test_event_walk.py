@@ -26,8 +26,7 @@ WALK = [
     "relay.claim",  # how much to claim; each event checked
     "relay.store",  # the claim and the fenced record
     "relay.decide",  # the plan, then the key's and the event's next state
-    "relay.send",  # the send under the lease
-    "relay.kafka",  # the producer and its delivery report
+    "relay.send",  # the send under the lease; the producer and its delivery report
 ]
 
 #: What those steps call on the way: types, shared helpers, and the subscribers

@@ -24,9 +24,9 @@ from outbox_kafka.operations import Selection, check_consistency, purge, requeue
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batch import EventOutcome, KeyOutcome, Verdict
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.metrics import Monitor
 from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.relay.send import Publisher
 from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     admit_arrivals,

@@ -15,9 +15,8 @@ from sqlalchemy.engine import make_url
 
 from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.health import HealthChecks
 from outbox_kafka.relay.metrics import RelayMetrics
-from outbox_kafka.relay.serve import ObservabilityServer
+from outbox_kafka.relay.serve import HealthChecks, ObservabilityServer
 from tests.outage_support import DatabaseSwitch
 from tests.relay_support import (
     TcpProxy,

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.relay.send import Publisher
 from outbox_kafka.relay.store import Store
 from tests.relay_support import (
     enqueue_bulk,

@@ -63,8 +63,8 @@ from outbox_kafka.relay.batch import (
     Verdict,
 )
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.kafka import classify
 from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.relay.send import classify
 from outbox_kafka.testing import InMemoryStore
 
 #: Claims in a row a due key may be left out of by the byte budget while a key

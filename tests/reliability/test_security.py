@@ -31,9 +31,9 @@ from outbox_kafka.demo.embedded import free_port
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.health import HealthChecks
-from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.metrics import BacklogSampler, RelayMetrics
+from outbox_kafka.relay.send import Publisher
+from outbox_kafka.relay.serve import HealthChecks
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.migrations import migration_script
 from tests.relay_support import (

@@ -19,8 +19,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from outbox_kafka import ConfigurationError
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.health import FailureLog, HealthChecks, default_max_cycle_age
-from outbox_kafka.relay.serve import HttpLimits, ObservabilityServer
+from outbox_kafka.relay.serve import (
+    FailureLog,
+    HealthChecks,
+    HttpLimits,
+    ObservabilityServer,
+    default_max_cycle_age,
+)
 from tests.support import LogRecords
 
 #: What a test allows beyond a server-side timeout before calling it missed

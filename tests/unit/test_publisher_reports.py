@@ -11,8 +11,8 @@ import pytest
 
 from outbox_kafka.logs import LIBRDKAFKA_LOGGER
 from outbox_kafka.relay.batch import Verdict
-from outbox_kafka.relay.kafka import Publisher
 from outbox_kafka.relay.ports import Message
+from outbox_kafka.relay.send import Publisher
 
 
 class _Reported:

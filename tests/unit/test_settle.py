@@ -17,8 +17,8 @@ from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batch import ClaimedEvent, ClaimedKey, EventStatus, KeyOutcome, Verdict
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.decide import BatchResults, Hold, RetryPolicy
-from outbox_kafka.relay.kafka import Publisher, classify
 from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.relay.send import Publisher, classify
 from outbox_kafka.testing import InMemoryStore, StubPublisher
 
 
@@ -568,7 +568,7 @@ def test_the_topic_limit_is_not_told_by_a_broker_that_does_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A timeout reading the limit once stopped the relay; now the send decides.
-    monkeypatch.setattr("outbox_kafka.relay.kafka.AdminClient", _SilentAdmin)
+    monkeypatch.setattr("outbox_kafka.relay.send.AdminClient", _SilentAdmin)
     publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {}, metadata_timeout=0.1)
     try:
         assert publisher.message_limit("t") is None
