@@ -104,6 +104,7 @@ class RelayMetrics(RelayObserver):
         self.published = Counter(
             "outbox_events_published", "Events Kafka acknowledged.", ["topic"], registry=r
         )
+        self._published_by_topic: dict[str, Counter] = {}
         self.retried = Counter(
             "outbox_events_retried",
             "Failed sends that will be retried after a backoff.",
@@ -254,11 +255,16 @@ class RelayMetrics(RelayObserver):
         self.publish_seconds.observe(seconds)
 
     def settled(self, settlement: Settlement) -> None:
+        # Announced once per key: each topic's counter is looked up once per relay.
         published: dict[str, int] = {}
         for event in settlement.delivered:
             published[event.topic] = published.get(event.topic, 0) + 1
+        counters = self._published_by_topic
         for topic, count in published.items():
-            self.published.labels(topic=topic).inc(count)
+            counter = counters.get(topic)
+            if counter is None:
+                counter = counters[topic] = self.published.labels(topic=topic)
+            counter.inc(count)
         for decision in settlement.decisions:
             if isinstance(decision, OrderViolation):
                 self.order_violations.labels(topic=decision.later.topic).inc()
