@@ -46,7 +46,7 @@ _TEMPLATE_KEY = key_name(0)
 #: style: it runs them on a raw driver cursor, as the relay runs its own, so
 #: neither pays for SQLAlchemy rows; the others are SQLAlchemy ``:name`` text.
 SQL: dict[str, str] = {
-    "truncate": "TRUNCATE {events}, {keys}, {seqs}, {arrivals}",
+    "truncate": "TRUNCATE {events}, {keys}, {seqs}, {arrivals}, {floors}",
     "analyze": "ANALYZE {events}, {keys}, {seqs}",
     "vacuum_events": "VACUUM (ANALYZE) {events}",
     "vacuum_keys": "VACUUM (ANALYZE) {keys}",

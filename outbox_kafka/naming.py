@@ -30,6 +30,8 @@ _OBJECT_SUFFIXES = (
     "_keys_pkey",
     "_arrivals",
     "_arrivals_pkey",
+    "_floors",
+    "_floors_pkey",
     "_key_seq",
     "_key_seq_pkey",
     "_migrations",
@@ -58,7 +60,7 @@ def _quote(identifier: str) -> str:
 
 @dataclass(frozen=True)
 class TableNames:
-    """The objects that make up one outbox: events, key counters, arrivals, key queue."""
+    """The objects that make up one outbox: events, key counters, arrivals, key queue, floors."""
 
     table: str = "outbox"
     schema: str = "public"
@@ -82,6 +84,11 @@ class TableNames:
     @property
     def seqs(self) -> str:
         return f"{self.table}_key_seq"
+
+    @property
+    def floors(self) -> str:
+        """The relay sessions' offset floors per partition (migration 0006)."""
+        return f"{self.table}_floors"
 
     @property
     def enqueue_one(self) -> str:
@@ -152,6 +159,7 @@ class TableNames:
             "keys": f"{s}.{_quote(self.keys)}",
             "seqs": f"{s}.{_quote(self.seqs)}",
             "arrivals": f"{s}.{_quote(self.arrivals)}",
+            "floors": f"{s}.{_quote(self.floors)}",
             "versions": f"{s}.{_quote(self.versions)}",
             "channel": _quote(self.channel),
             "channel_literal": f"'{self.channel}'",

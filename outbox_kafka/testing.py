@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,15 +37,17 @@ from outbox_kafka.relay.batch import (
     Claim,
     ClaimedEvent,
     ClaimedKey,
+    Doubts,
     EventOutcome,
     EventStatus,
+    Floor,
     KeyOutcome,
     Problem,
     RecordResult,
     Remaining,
     Verdict,
 )
-from outbox_kafka.relay.ports import Delivery, Message
+from outbox_kafka.relay.ports import Delivery, Found, Message, ReadBack
 from outbox_kafka.relay.wake import Wakeups
 from outbox_kafka.stored_headers import headers_size
 
@@ -95,6 +97,16 @@ class _Key:
     #: key queue or among the arrivals): from its first event until a record
     #: finds it drained, even when none of its events is left pending.
     queued: bool = False
+    #: The relay session of the key's current claim.
+    claim_session: str | None = None
+    #: The relay sessions that may have sent events of the key that are not recorded.
+    doubt: list[str] = field(default_factory=list)
+
+    def claim_ended_unrecorded(self) -> None:
+        """The key's claim ends without a record: its session joins the doubt."""
+        session = self.claim_session
+        if self.token is not None and session is not None and session not in self.doubt:
+            self.doubt.append(session)
 
 
 class InMemoryStore:
@@ -106,6 +118,8 @@ class InMemoryStore:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._keys: dict[str, _Key] = {}
         self._clock = clock
+        #: By (session, topic, partition): the floor, and when it was written.
+        self._floors: dict[tuple[str, str, int], tuple[Floor, float]] = {}
 
     # Writing events --------------------------------------------------------------
 
@@ -214,6 +228,7 @@ class InMemoryStore:
             state.parked, state.queued = False, True
             # Due now, unless it waits already (a lease, or a message that may land).
             state.due_at = max(state.due_at, now)
+            state.claim_ended_unrecorded()
             state.token = None
         return requeued
 
@@ -237,6 +252,7 @@ class InMemoryStore:
         lease_seconds: float,
         max_keys: int | None = None,
         max_bytes: int = DEFAULT_MAX_CLAIM_BYTES,
+        session: uuid.UUID | None = None,
     ) -> Claim:
         """Lease up to ``max_keys`` keys (default ``batch_size``) and read their next
         events, as the relay's store does (``claim_keys`` and ``claim_events``).
@@ -264,14 +280,17 @@ class InMemoryStore:
         brought = self._fit_budget(read, max_bytes)
         keys: list[ClaimedKey] = []
         for (name, state), (_, events) in zip(line, read, strict=True):
+            state.claim_ended_unrecorded()
             claimed = ClaimedKey(
                 name,
                 state.next_seq,
                 last_seq=state.last_seq,
                 withheld=brought[name] < len(events),
                 due_at=state.due_at,
+                doubt=tuple(state.doubt),
             )
             state.token, state.lease_until = token, now + lease_seconds
+            state.claim_session = None if session is None else str(session)
             state.due_at = now + lease_seconds
             for e in events[: brought[name]]:
                 claimed.events.append(
@@ -290,7 +309,7 @@ class InMemoryStore:
                 )
             keys.append(claimed)
         keys.sort(key=lambda k: k.key)  # as claim_events returns them
-        return Claim(token, keys, per_key)
+        return Claim(token, keys, per_key, session)
 
     @staticmethod
     def _fit_budget(
@@ -326,10 +345,29 @@ class InMemoryStore:
         return brought
 
     def record(
-        self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]
+        self,
+        token: uuid.UUID,
+        keys: Sequence[KeyOutcome],
+        events: Sequence[EventOutcome],
+        doubts: Doubts | None = None,
     ) -> RecordResult:
         now = self._clock()
         owned = {k.key for k in keys if self._owns(k.key, token)}
+        if doubts is not None:
+            session = str(doubts.session)
+            for name in owned:
+                state = self._keys[name]
+                if name in doubts.resolved:
+                    state.doubt = []
+                if name in doubts.doubtful and session not in state.doubt:
+                    state.doubt.append(session)
+            if len(owned) == len(keys):
+                for (topic, partition), offset in doubts.floors.items():
+                    found = self._floors.get((session, topic, partition))
+                    if found is not None:
+                        floor, written = found
+                        raised = floor._replace(offset=max(floor.offset, offset))
+                        self._floors[(session, topic, partition)] = (raised, written)
         counts = {status: 0 for status in EventStatus}
         latencies: list[float] = []
         for outcome in events:
@@ -361,7 +399,8 @@ class InMemoryStore:
             state.due_at = now + key.delay if key.due_at is None else key.due_at
             state.parked = key.park
             if key.drained and not key.park and state.last_seq < key.next_seq:
-                state.queued = False
+                # The queue row goes, and with it the key's doubt.
+                state.queued, state.doubt, state.claim_session = False, [], None
                 removed += 1
         return RecordResult(
             keys_owned=len(owned),
@@ -441,6 +480,44 @@ class InMemoryStore:
                 del self._keys[name]
         return removed
 
+    def open_floors(self, session: uuid.UUID, floors: Sequence[Floor]) -> None:
+        for floor in floors:
+            self._floors.setdefault(
+                (str(session), floor.topic, floor.partition),
+                (floor._replace(session=str(session)), self._clock()),
+            )
+
+    def read_floors(self, sessions: Sequence[str], topics: Sequence[str]) -> list[Floor]:
+        return sorted(
+            (
+                floor
+                for floor, _ in self._floors.values()
+                if floor.session in sessions and floor.topic in topics
+            ),
+            key=lambda f: (f.topic, f.partition, f.session),
+        )
+
+    def forget_floors(self, older_seconds: float) -> None:
+        now = self._clock()
+        named = {s for state in self._keys.values() for s in state.doubt}
+        named.update(
+            state.claim_session
+            for state in self._keys.values()
+            if state.token is not None and state.claim_session is not None
+        )
+        for place, (floor, written) in list(self._floors.items()):
+            if now - written > older_seconds and floor.session not in named:
+                del self._floors[place]
+
+    def floors(self) -> list[Floor]:
+        """Every floor written, in (session, topic, partition) order."""
+        return [floor for _, (floor, _) in sorted(self._floors.items())]
+
+    def doubt(self, key: str) -> list[str]:
+        """The relay sessions ``key`` is in doubt about (empty: none)."""
+        state = self._keys.get(key)
+        return list(state.doubt) if state is not None else []
+
     def wakeups(self) -> Wakeups | None:
         return None
 
@@ -491,15 +568,20 @@ class StubPublisher:
         topic_problems: Mapping[str, Problem] | None = None,
         max_message_bytes: int = 1 << 20,
         message_limits: Mapping[str, int] | None = None,
+        partitions: Mapping[str, int] | None = None,
     ) -> None:
         self.answer: Answer = answer or (lambda message: Verdict.DELIVERED)
+        #: By topic: how many partitions it has (1 when not given).
+        self.partitions = dict(partitions or {})
+        #: By (topic, partition): every message that reached the log, acknowledged
+        #: or not (an answer of ``Verdict.UNREPORTED`` lands without a report).
+        self.log: dict[tuple[str, int], list[Message]] = {}
         self.topic_problems = dict(topic_problems or {})
         #: By topic: the largest message it takes (as a broker's DescribeConfigs tells).
         self.message_limits = dict(message_limits or {})
         self.max_message_bytes = max_message_bytes
         #: Every send, as the list of messages it carried.
         self.sends: list[list[Message]] = []
-        self._offsets: dict[str, int] = {}
         self._delivered: list[tuple[Message, Delivery]] = []
 
     def messages(self, topic: str | None = None) -> list[Message]:
@@ -525,15 +607,27 @@ class StubPublisher:
             answer = self.answer(message)
             verdict, error = answer if isinstance(answer, tuple) else (answer, None)
             delivery = Delivery(verdict, error=error, sent=True, reported=True)
+            partition = 0 if message.partition is None else message.partition
+            if verdict in (Verdict.DELIVERED, Verdict.UNREPORTED):
+                log = self.log.setdefault((message.topic, partition), [])
+                log.append(message)
             if verdict == Verdict.DELIVERED:
-                offset = self._offsets.get(message.topic, 0)
-                self._offsets[message.topic] = offset + 1
-                delivery.partition, delivery.offset = 0, offset
+                delivery.partition, delivery.offset = partition, len(log) - 1
                 self._delivered.append((message, delivery))
+            elif verdict == Verdict.UNREPORTED:
+                # On Kafka, but no report came: as after a timeout, or a crash.
+                delivery.reported, delivery.error = False, None
             elif error is None:
                 delivery.error = f"STUB_{verdict.upper()}: answered so by the test"
             deliveries.append(delivery)
         return deliveries
+
+    def partition_count(self, topic: str) -> int | None:
+        return self.partitions.get(topic, 1)
+
+    def reader(self) -> StubReader:
+        """A reader of what this publisher's sends put on the log."""
+        return StubReader(self)
 
     def poll(self) -> None:
         pass
@@ -542,4 +636,57 @@ class StubPublisher:
         return None
 
     def close(self, timeout: float = 5.0) -> None:
+        pass
+
+
+class StubReader:
+    """Reads back what a :class:`StubPublisher` put on its log, as the relay's
+    :class:`~outbox_kafka.relay.recover.PartitionReader` reads Kafka.
+
+    ``unproven``: partitions it reports as not read to their end (and why), as a
+    read past its deadline would."""
+
+    def __init__(
+        self, publisher: StubPublisher, unproven: Mapping[tuple[str, int], str] | None = None
+    ) -> None:
+        self.publisher = publisher
+        self.unproven = dict(unproven or {})
+        #: Every read asked for: its start offsets.
+        self.reads: list[dict[tuple[str, int], int]] = []
+
+    def end_offsets(self, topic: str, partitions: Sequence[int], timeout: float) -> dict[int, int]:
+        return {p: len(self.publisher.log.get((topic, p), [])) for p in partitions}
+
+    def read(
+        self, starts: Mapping[tuple[str, int], int], keys: Collection[bytes], deadline: float
+    ) -> ReadBack:
+        self.reads.append(dict(starts))
+        back = ReadBack()
+        for (topic, partition), start in starts.items():
+            if (topic, partition) in self.unproven:
+                back.unproven[(topic, partition)] = self.unproven[(topic, partition)]
+                continue
+            log = self.publisher.log.get((topic, partition), [])
+            if start > len(log):
+                back.unproven[(topic, partition)] = "start offset past the end"
+                continue
+            for offset in range(start, len(log)):
+                message = log[offset]
+                back.read += 1
+                if message.key in keys:
+                    back.found.append(
+                        Found(
+                            topic,
+                            partition,
+                            offset,
+                            message.key,
+                            message.value,
+                            list(message.headers),
+                        )
+                    )
+            back.complete.add((topic, partition))
+            back.ends[(topic, partition)] = len(log)
+        return back
+
+    def close(self) -> None:
         pass

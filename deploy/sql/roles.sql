@@ -23,6 +23,7 @@
 \set keys_table :table '_keys'
 \set arrivals_table :table '_arrivals'
 \set seqs_table :table '_key_seq'
+\set floors_table :table '_floors'
 \set versions_table :table '_migrations'
 \set enqueue_one_function :table '_enqueue_one'
 \set enqueue_many_function :table '_enqueue_many'
@@ -44,7 +45,8 @@ GRANT UPDATE (status, attempts, available_at, claim_token, delivered_at, kafka_p
 -- privilege on one column, then DELETE; the relay never changes an arrival).
 GRANT SELECT, INSERT (ordering_key, next_seq, due_at), DELETE
     ON :"schema".:"keys_table" TO :"relay_role";
-GRANT UPDATE (next_seq, due_at, claim_token, lease_expires_at, parked_at)
+GRANT UPDATE (next_seq, due_at, claim_token, lease_expires_at, parked_at, claim_session,
+              doubt_sessions)
     ON :"schema".:"keys_table" TO :"relay_role";
 GRANT SELECT, DELETE, UPDATE (due_at) ON :"schema".:"arrivals_table" TO :"relay_role";
 -- record_batch locks a key's counter (SELECT ... FOR UPDATE) while it decides
@@ -52,6 +54,12 @@ GRANT SELECT, DELETE, UPDATE (due_at) ON :"schema".:"arrivals_table" TO :"relay_
 -- column for that lock. The relay never changes a counter; its retention
 -- deletes the counters of keys it left with nothing (forget_idle_counters).
 GRANT SELECT, DELETE, UPDATE (last_seq) ON :"schema".:"seqs_table" TO :"relay_role";
+-- Each relay session writes its floors before it produces to a partition
+-- (open_floors), raises them as it records (record_batch), reads those of the
+-- sessions a key is in doubt about, and deletes the floors of sessions no key
+-- names any more (forget_floors). It changes nothing of a floor but its offset.
+GRANT SELECT, INSERT, DELETE, UPDATE (floor_offset)
+    ON :"schema".:"floors_table" TO :"relay_role";
 -- For `outbox-kafka check` run with the relay's credentials.
 GRANT SELECT ON :"schema".:"versions_table" TO :"relay_role";
 

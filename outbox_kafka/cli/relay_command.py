@@ -81,6 +81,7 @@ def relay_settings(
         compression=args.compression,
         dead_letter_topic=args.dead_letter_topic or None,
         on_exhausted=args.on_exhausted,
+        on_unproven=args.on_unproven,
         create_topics=args.create_topics,
         listen=not args.no_listen,
         shutdown_timeout=args.shutdown_timeout,
@@ -304,6 +305,14 @@ def add_relay_parser(
         default=defaults.on_exhausted,
         choices=("continue", "park"),
         help="after a discard: let the key continue, or park it until requeued",
+    )
+    add_option(
+        p,
+        "--on-unproven",
+        default=defaults.on_unproven,
+        choices=("wait", "send"),
+        help="a key in doubt whose read-back of Kafka proves nothing: wait and read "
+        "again (exactly once), or send it anyway (at least once)",
     )
     add_option(
         p,

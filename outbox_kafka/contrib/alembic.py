@@ -96,7 +96,14 @@ def outbox_include_object(
         )
     owners: dict[tuple[str | None, str], TableNames] = {}
     for names in outboxes or (TableNames(),):
-        for table in (names.events, names.keys, names.seqs, names.arrivals, names.versions):
+        for table in (
+            names.events,
+            names.keys,
+            names.seqs,
+            names.arrivals,
+            names.floors,
+            names.versions,
+        ):
             owners[(names.schema, table)] = names
     released = {m.version for m in raw_migrations()}
     current: dict[TableNames, bool] = {}

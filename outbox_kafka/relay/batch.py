@@ -79,6 +79,10 @@ class ClaimedKey:
     #: When the key was due before the claim leased it, in the store's clock (seconds):
     #: its place in the queue. None: unknown.
     due_at: float | None = None
+    #: The relay sessions that may have sent events of the key that are not recorded
+    #: (a claim that ended without a record, an outcome that may have been
+    #: delivered): Kafka is read back from their floors before the key is sent.
+    doubt: tuple[str, ...] = ()
 
     @property
     def waiting(self) -> int:
@@ -102,6 +106,8 @@ class Claim:
     token: uuid.UUID
     keys: list[ClaimedKey]
     per_key_limit: int
+    #: The relay session the claim was made in: the one that sends it (None: unknown).
+    session: uuid.UUID | None = None
 
     @property
     def event_count(self) -> int:
@@ -147,6 +153,37 @@ class EventOutcome(NamedTuple):
     error: str | None
 
 
+class Floor(NamedTuple):
+    """Where a relay session's messages on one partition begin, as far as they may
+    be unrecorded: no message of the session on the partition that is not recorded
+    lies below ``offset``."""
+
+    session: str
+    topic: str
+    partition: int
+    #: The topic's partition count the session produced under.
+    partitions: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Doubts:
+    """What a batch leaves known about Kafka beyond its acknowledgements: recorded
+    with its outcome, in the same statement."""
+
+    #: The session the batch was sent in.
+    session: uuid.UUID
+    #: Keys whose doubt the read-back settled: their doubtful sessions are cleared.
+    resolved: frozenset[str] = frozenset()
+    #: Keys with an event that may have reached Kafka without an acknowledgement:
+    #: the session joins their doubt.
+    doubtful: frozenset[str] = frozenset()
+    #: By (topic, partition): the offset just past the batch's last acknowledged
+    #: message there, which the session's floor is raised to when the batch still
+    #: owns every key.
+    floors: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class RecordResult:
     """What recording a batch changed, as the database counted it."""
@@ -157,6 +194,27 @@ class RecordResult:
     discarded: int
     retried: int
     latencies: list[float]
+
+
+@dataclass
+class ReadBackReport:
+    """What one read-back did, for the relay's observers."""
+
+    #: Keys in doubt in the claim.
+    keys: int = 0
+    #: Partitions read.
+    partitions: int = 0
+    #: Messages read.
+    read: int = 0
+    #: Events and dead-letter copies found on Kafka: recorded, not sent again.
+    matched: int = 0
+    #: Keys left in doubt and unsent: what is on Kafka could not be proven.
+    unproven: int = 0
+    #: Keys sent although unproven (the relay prefers at least once to waiting).
+    resent_unproven: int = 0
+    #: Why the first unproven key could not be proven.
+    why_unproven: str | None = None
+    seconds: float = 0.0
 
 
 #: The most reasons of held events :class:`Remaining` names.

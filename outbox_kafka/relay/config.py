@@ -41,6 +41,7 @@ SECRET_KAFKA_KEYS = frozenset(
 )
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
 OnExhausted = Literal["continue", "park"]
+OnUnproven = Literal["wait", "send"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class RelaySettings:
     compression: str = "none"
     dead_letter_topic: str | None = None
     on_exhausted: OnExhausted = "continue"
+    on_unproven: OnUnproven = "wait"
     create_topics: int | None = None
     listen: bool = True
     shutdown_timeout: float = 30.0
@@ -102,6 +104,10 @@ class RelaySettings:
         if self.on_exhausted not in ("continue", "park"):
             raise ConfigurationError(
                 f"on_exhausted must be 'continue' or 'park', not {self.on_exhausted!r}"
+            )
+        if self.on_unproven not in ("wait", "send"):
+            raise ConfigurationError(
+                f"on_unproven must be 'wait' or 'send', not {self.on_unproven!r}"
             )
         if self.create_topics is not None:
             _positive("create_topics", self.create_topics)

@@ -388,6 +388,23 @@ _MAX_REASON_HEADER = 4096
 
 
 @dataclass
+class FoundOnKafka:
+    """What reading Kafka back found for a claim's keys in doubt."""
+
+    #: By event id: events found on Kafka, as delivered there.
+    deliveries: dict[str, Delivery] = field(default_factory=dict)
+    #: By event id: dead-letter copies found on Kafka.
+    copies: dict[str, Delivery] = field(default_factory=dict)
+    #: Keys whose doubt is settled: whatever the sessions in doubt sent of them is
+    #: found, or known not to be there.
+    resolved: set[str] = field(default_factory=set)
+    #: Keys that wait, unsent, and why: what is on Kafka could not be proven.
+    unproven: dict[str, str] = field(default_factory=dict)
+    #: Seconds before an unproven key is tried again.
+    retry_seconds: float = 5.0
+
+
+@dataclass
 class BatchPlan:
     """What to send for a claim, and what is already decided without sending."""
 
@@ -398,7 +415,8 @@ class BatchPlan:
     #: The events to send, in order, and their messages.
     events: list[ClaimedEvent] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
-    #: Problems found before sending; nothing after such an event of its key is sent.
+    #: Problems found before sending (nothing after such an event of its key is
+    #: sent), and events found on Kafka already.
     results: BatchResults = field(default_factory=BatchResults)
     #: Keys' first events discarded whatever the send brings: their copies go with it.
     discarded_first: list[Discard] = field(default_factory=list)
@@ -442,20 +460,45 @@ def plan_batch(
     topic_problem: Callable[[str], Problem | None],
     policy: RetryPolicy,
     message_limit: Callable[[str], int | None] = lambda topic: None,
+    *,
+    found: FoundOnKafka | None = None,
+    partition_of: Callable[[str, bytes], int | None] | None = None,
 ) -> BatchPlan:
     """Each key's sendable events up to its first problem (a failed check from
     ``problems``, its topic's from ``topic_problem``, or a message larger than
-    ``message_limit`` says its topic takes)."""
+    ``message_limit`` says its topic takes).
+
+    ``found``: what reading Kafka back found for keys in doubt: events found there
+    are delivered without a send (their dead-letter copies too), and keys whose
+    read-back proved nothing wait. ``partition_of(topic, key)``: the partition each
+    message goes to (None: the producer's partitioner chooses)."""
     plan = BatchPlan()
     for claimed in claim.keys:
         due = sendable(claimed)
+        if found is not None and claimed.key in found.unproven:
+            # What is on Kafka is not known yet: nothing of the key goes out.
+            plan.idle_keys.append(
+                KeyOutcome(claimed.key, claimed.next_seq, found.retry_seconds, False, False)
+            )
+            continue
         if not due:
             plan.idle_keys.append(idle_key_outcome(claimed))
             continue
         plan.keys.append((claimed, due))
         key = claimed.key.encode()
+        partition = None if partition_of is None else partition_of(due[0].topic, key)
         for event in due:
-            message = Message(event.topic, key, event.value, event.headers or [], event.event_id)
+            if found is not None:
+                copy = found.copies.get(event.event_id)
+                if copy is not None:
+                    plan.results.copies[id(event)] = (Verdict.DELIVERED, None)
+                delivery = found.deliveries.get(event.event_id)
+                if delivery is not None:
+                    plan.results.deliveries[id(event)] = delivery
+                    continue
+            message = Message(
+                event.topic, key, event.value, event.headers or [], event.event_id, partition
+            )
             problem = (
                 problems.get(id(event))
                 or topic_problem(event.topic)

@@ -61,6 +61,7 @@ from outbox_kafka.relay.batch import CycleReport, DrainResult
 from outbox_kafka.relay.config import SECONDS_PER_DAY, RelaySettings
 from outbox_kafka.relay.loop import Relay
 from outbox_kafka.relay.metrics import ProducerMetrics, RelayMetrics
+from outbox_kafka.relay.recover import PartitionReader
 from outbox_kafka.relay.send import Publisher
 
 #: An outbox's name: a metrics label value and part of log lines, so short and plain.
@@ -93,6 +94,7 @@ PER_OUTBOX: dict[str, Setting] = {
     "backoff_cap": Setting("backoff_cap", float, "--backoff-cap"),
     "max_attempts": Setting("max_attempts", int, "--max-attempts"),
     "on_exhausted": Setting("on_exhausted", str, "--on-exhausted"),
+    "on_unproven": Setting("on_unproven", str, "--on-unproven"),
     "dead_letter_topic": Setting(
         "dead_letter_topic", str, "--dead-letter-topic", lambda value: value or None
     ),
@@ -591,7 +593,13 @@ class RelayGroup:
             return relay
 
     def _new_relay(self, name: str) -> Relay:
-        return Relay(self._settings[name], metrics=self.metrics[name], publisher=self.publisher)
+        settings = self._settings[name]
+        return Relay(
+            settings,
+            metrics=self.metrics[name],
+            publisher=self.publisher,
+            reader=PartitionReader(settings.admin_config()),
+        )
 
     def _each(self, action: Callable[[str, Relay], None]) -> None:
         """``action(name, relay)`` for every outbox, each in a thread of its own; waits for all."""

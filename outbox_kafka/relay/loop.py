@@ -21,19 +21,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
 from typing import TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from outbox_kafka.errors import StorageError
-from outbox_kafka.relay.batch import Claim, CycleReport, DrainResult, KeyOutcome
+from outbox_kafka.relay.batch import Claim, CycleReport, DrainResult, EventStatus, KeyOutcome
 from outbox_kafka.relay.claim import Claimed, Claimer, worth_reading_ahead
 from outbox_kafka.relay.config import RelaySettings, redact_kafka_config
 from outbox_kafka.relay.decide import RetryPolicy
 from outbox_kafka.relay.lease import Lease
 from outbox_kafka.relay.metrics import BacklogSampler, RelayMetrics
 from outbox_kafka.relay.observe import LogObserver, Observers, RelayObserver, SendTracing
-from outbox_kafka.relay.ports import ClaimStore, MessagePublisher
+from outbox_kafka.relay.ports import ClaimStore, KafkaReader, MessagePublisher
+from outbox_kafka.relay.recover import FLOOR_RETENTION_SECONDS, PartitionReader, Recovery
 from outbox_kafka.relay.send import BatchSender, Publisher, SentBatch
 from outbox_kafka.relay.store import Store
 from outbox_kafka.relay.wake import Waiting
@@ -60,7 +63,11 @@ class Relay:
         publisher: MessagePublisher | None = None,
         tracer_provider: object | None = None,
         observers: Sequence[RelayObserver] = (),
+        reader: KafkaReader | None = None,
     ) -> None:
+        """``store``, ``publisher`` and ``reader`` replace the relay's own (tests pass
+        fakes through them). A relay given a publisher reads Kafka back for keys in
+        doubt only when it is given a ``reader`` too; without one it is at least once."""
         self.settings = settings
         self.metrics = metrics or RelayMetrics()
         self.metrics.set_info(settings)
@@ -86,6 +93,22 @@ class Relay:
         self.policy = RetryPolicy.from_settings(settings)
         self._db = DatabaseRetry(self._stop, self._past_shutdown_deadline, self.observer)
         self.lease = Lease(settings.lease_seconds, settings.effective_delivery_timeout_ms / 1000)
+        if reader is None and publisher is None:
+            reader = PartitionReader(settings.admin_config())
+        #: Exactly once across crashes: the relay's sessions and their floors, and
+        #: the read-back of keys in doubt (None: at least once).
+        self.recovery = (
+            None
+            if reader is None
+            else Recovery(
+                self.store,
+                self.publisher,
+                reader,
+                observer=self.observer,
+                dead_letter_topic=settings.dead_letter_topic,
+                resend_unproven=settings.on_unproven == "send",
+            )
+        )
         self._claim_step = Claimer(
             self._take_claim,
             batch_size=settings.batch_size,
@@ -99,12 +122,15 @@ class Relay:
             dead_letter_topic=settings.dead_letter_topic,
             lease=self.lease,
             abort=self._past_shutdown_deadline,
+            recovery=self.recovery,
         )
         self._last_cycle_at: float | None = None
         self._waiting = Waiting(
             self.store.wakeups() if settings.listen else None, settings.poll_interval, self._stop
         )
-        self._retention = Retention(self.store, settings, self.observer, self.policy.rng)
+        self._retention = Retention(
+            self.store, settings, self.observer, self.policy.rng, floors=self.recovery is not None
+        )
         self.metrics.watch_last_cycle(lambda: self.last_cycle_at)
         # One batch's outcome is recorded here while the next batch is claimed
         # and sent: the database and Kafka work overlap, and a key is never in
@@ -225,6 +251,8 @@ class Relay:
         self._claimer.shutdown(wait=True)
         self._recorder.shutdown(wait=True)
         self.publisher.close(timeout=min(5.0, self.settings.shutdown_timeout))
+        if self.recovery is not None:
+            self.recovery.close_reader()
         self._waiting.close()
         self.store.close()
 
@@ -309,15 +337,17 @@ class Relay:
     def _take_claim(self, max_keys: int) -> Claim:
         """The store's claim of up to ``max_keys`` keys, retried until it succeeds or the
         relay stops."""
-        return self._db.run(
-            lambda: self.store.claim(
-                batch_size=self.settings.batch_size,
-                lease_seconds=self.settings.lease_seconds,
-                max_keys=max_keys,
-                max_bytes=self.settings.max_claim_bytes,
-            ),
-            stop_on_shutdown=True,
+        claim = partial(
+            self.store.claim,
+            batch_size=self.settings.batch_size,
+            lease_seconds=self.settings.lease_seconds,
+            max_keys=max_keys,
+            max_bytes=self.settings.max_claim_bytes,
         )
+        if self.recovery is None:
+            return self._db.run(claim, stop_on_shutdown=True)
+        recovery = self.recovery
+        return self._db.run(lambda: claim(session=recovery.session()), stop_on_shutdown=True)
 
     def _send(self, claimed: Claimed) -> tuple[Claim, SentBatch]:
         """The send step: the next claim is sized after this one, then it is sent."""
@@ -371,8 +401,21 @@ class Relay:
             self._last_cycle_at = time.monotonic()
             return report
         started = time.monotonic()
+        doubts = sent.doubts
+        recovery = self.recovery
+        if (
+            doubts is not None
+            and doubts.floors
+            and not (recovery and recovery.is_open(doubts.session))
+        ):
+            # A batch of the session may be on Kafka unrecorded: its floors stay.
+            doubts = replace(doubts, floors={})
         result = self._db.run(
-            lambda: self.store.record(claim.token, sent.keys, sent.events),
+            lambda: (
+                self.store.record(claim.token, sent.keys, sent.events)
+                if doubts is None
+                else self.store.record(claim.token, sent.keys, sent.events, doubts)
+            ),
             stop_on_shutdown=False,
         )
         self.observer.recorded(result, time.monotonic() - started)
@@ -382,7 +425,13 @@ class Relay:
         report.discarded = result.discarded
         report.leases_lost = len(sent.keys) - result.keys_owned
         if report.leases_lost:
+            if self.recovery is not None:
+                # Its heirs read the session back from its floors: they stay where they are.
+                self.recovery.close(claim.session)
             self.observer.lease_lost(report.leases_lost)
+            acknowledged = sum(1 for e in sent.events if e.status == EventStatus.DELIVERED)
+            if acknowledged > result.delivered:
+                self.observer.acknowledged_unrecorded(acknowledged - result.delivered)
         self._last_cycle_at = time.monotonic()
         return report
 
@@ -524,12 +573,16 @@ class Retention:
         settings: RelaySettings,
         observer: RelayObserver,
         rng: random.Random,
+        *,
+        floors: bool = False,
     ) -> None:
         self._store = store
         self._settings = settings
         self._observer = observer
         self._rng = rng
         self._first = True
+        #: Whether old relay sessions' floors are forgotten too.
+        self._floors = floors
 
     def delay(self) -> float:
         """Seconds to the next purge: spread relays' purges apart; the first comes soon."""
@@ -547,6 +600,8 @@ class Retention:
                 discarded_seconds=settings.retain_discarded_seconds,
                 batch=settings.purge_batch,
             )
+            if self._floors:
+                self._store.forget_floors(FLOOR_RETENTION_SECONDS)
         except StorageError as exc:
             self._observer.purge_failed(exc)
             return

@@ -36,7 +36,7 @@ from outbox_kafka.schema.statements import millis, queries_for
 from outbox_kafka.version import __version__
 
 if TYPE_CHECKING:
-    from outbox_kafka.relay.batch import Claim, RecordResult
+    from outbox_kafka.relay.batch import Claim, ReadBackReport, RecordResult
     from outbox_kafka.relay.decide import Settlement
 
 
@@ -141,6 +141,44 @@ class RelayMetrics(RelayObserver):
         self.leases_lost = Counter(
             "outbox_leases_lost",
             "Keys whose lease another relay took over while this relay was sending.",
+            registry=r,
+        )
+        self.read_backs = Counter(
+            "outbox_read_backs",
+            "Claims with keys in doubt whose partitions were read back before sending.",
+            registry=r,
+        )
+        self.read_back_messages = Counter(
+            "outbox_read_back_messages",
+            "Messages read back from Kafka for keys in doubt.",
+            registry=r,
+        )
+        self.read_back_matched = Counter(
+            "outbox_read_back_matched",
+            "Events (and dead-letter copies) found on Kafka by a read-back: recorded, "
+            "not sent again.",
+            registry=r,
+        )
+        self.read_back_unproven = Counter(
+            "outbox_read_back_unproven",
+            "Keys in doubt left unsent because a read-back could not prove what is on "
+            "Kafka (tried again).",
+            registry=r,
+        )
+        self.read_back_resent = Counter(
+            "outbox_read_back_sent_unproven",
+            "Keys in doubt sent although unproven (--on-unproven send: at least once).",
+            registry=r,
+        )
+        self.read_back_seconds = Histogram(
+            "outbox_read_back_seconds",
+            "Time to read Kafka back for a claim's keys in doubt.",
+            registry=r,
+        )
+        self.acknowledged_unrecorded_events = Counter(
+            "outbox_acknowledged_unrecorded",
+            "Events Kafka acknowledged after another relay had taken over their keys "
+            "(a frozen relay's late request): they may be on Kafka twice.",
             registry=r,
         )
         self.db_errors = Counter(
@@ -285,6 +323,17 @@ class RelayMetrics(RelayObserver):
 
     def lease_lost(self, keys: int) -> None:
         self.leases_lost.inc(keys)
+
+    def read_back(self, report: ReadBackReport) -> None:
+        self.read_backs.inc()
+        self.read_back_messages.inc(report.read)
+        self.read_back_matched.inc(report.matched)
+        self.read_back_unproven.inc(report.unproven)
+        self.read_back_resent.inc(report.resent_unproven)
+        self.read_back_seconds.observe(report.seconds)
+
+    def acknowledged_unrecorded(self, events: int) -> None:
+        self.acknowledged_unrecorded_events.inc(events)
 
     def database_retry(self, attempt: int, error: BaseException | None) -> None:
         self.db_errors.inc()

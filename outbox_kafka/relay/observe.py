@@ -47,7 +47,7 @@ from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.version import __version__
 
 if TYPE_CHECKING:
-    from outbox_kafka.relay.batch import Claim, ClaimedEvent, RecordResult
+    from outbox_kafka.relay.batch import Claim, ClaimedEvent, ReadBackReport, RecordResult
 
 
 _TRACEPARENT = "traceparent"
@@ -108,6 +108,13 @@ class RelayObserver:
 
     def read_ahead_released(self, keys: int) -> None:
         """A claim read ahead waited too long to be sent; its ``keys`` were released."""
+
+    def read_back(self, report: ReadBackReport) -> None:
+        """Kafka was read back for a claim's keys in doubt before they were sent."""
+
+    def acknowledged_unrecorded(self, events: int) -> None:
+        """Kafka acknowledged ``events`` of a batch whose keys another relay had taken
+        over by its record: they may be on Kafka twice."""
 
     # The database and the side loops ----------------------------------------
 
@@ -189,6 +196,14 @@ class Observers(RelayObserver):
     def read_ahead_released(self, keys: int) -> None:
         for o in self.observers:
             o.read_ahead_released(keys)
+
+    def read_back(self, report: ReadBackReport) -> None:
+        for o in self.observers:
+            o.read_back(report)
+
+    def acknowledged_unrecorded(self, events: int) -> None:
+        for o in self.observers:
+            o.acknowledged_unrecorded(events)
 
     def database_retry(self, attempt: int, error: BaseException | None) -> None:
         for o in self.observers:
@@ -342,6 +357,30 @@ class LogObserver(RelayObserver):
         log.info(
             "claim read ahead outlived its use; released",
             extra={"action": "release", "keys": keys},
+        )
+
+    def read_back(self, report: ReadBackReport) -> None:
+        extra = {
+            "action": "read_back",
+            "keys": report.keys,
+            "partitions": report.partitions,
+            "messages_read": report.read,
+            "matched": report.matched,
+            "unproven": report.unproven,
+            "sent_unproven": report.resent_unproven,
+            "why_unproven": report.why_unproven,
+            "seconds": round(report.seconds, 3),
+        }
+        if report.unproven:
+            log.warning("read Kafka back for keys in doubt; some could not be proven", extra=extra)
+        else:
+            log.info("read Kafka back for keys in doubt", extra=extra)
+
+    def acknowledged_unrecorded(self, events: int) -> None:
+        log.warning(
+            "Kafka acknowledged events of keys another relay had taken over: "
+            "they may be on Kafka twice",
+            extra={"action": "acknowledged_unrecorded", "events": events},
         )
 
     def database_retry(self, attempt: int, error: BaseException | None) -> None:

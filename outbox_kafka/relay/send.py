@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,15 +34,22 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from outbox_kafka.errors import ConfigurationError
+from outbox_kafka.errors import ConfigurationError, StorageError
 from outbox_kafka.limits import KAFKA_MESSAGE_MAX_BYTES
 from outbox_kafka.logs import librdkafka_logger
-from outbox_kafka.relay.batch import Claim, EventOutcome, KeyOutcome, Problem, Verdict
+from outbox_kafka.relay.batch import Claim, Doubts, EventOutcome, KeyOutcome, Problem, Verdict
 from outbox_kafka.relay.claim import Claimed
-from outbox_kafka.relay.decide import RetryPolicy, dead_letter_messages, note_copies, plan_batch
+from outbox_kafka.relay.decide import (
+    FoundOnKafka,
+    RetryPolicy,
+    dead_letter_messages,
+    note_copies,
+    plan_batch,
+)
 from outbox_kafka.relay.lease import Lease, metadata_wait
 from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message, MessagePublisher
+from outbox_kafka.relay.recover import READ_BACK_MARGIN, ReadBackError, Recovery
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.config import RelaySettings
@@ -55,6 +63,9 @@ class SentBatch:
     events: list[EventOutcome] = field(default_factory=list)
     #: Events handed to the producer (dead-letter copies not counted).
     sent: int = 0
+    #: What the batch leaves in doubt, and the session's floors to raise (None: the
+    #: relay does not read Kafka back).
+    doubts: Doubts | None = None
 
 
 class BatchSender:
@@ -67,6 +78,7 @@ class BatchSender:
         dead_letter_topic: str | None,
         lease: Lease,
         abort: Callable[[], bool],
+        recovery: Recovery | None = None,
     ) -> None:
         self.publisher = publisher
         self.policy = policy
@@ -75,6 +87,11 @@ class BatchSender:
         self._lease = lease
         self._send_timeout = lease.delivery_timeout + 5.0
         self._abort = abort
+        self.recovery = recovery
+        #: The batch being sent: its session, and every message handed to the
+        #: publisher with its delivery.
+        self._session: uuid.UUID | None = None
+        self._handed: list[tuple[Message, Delivery]] = []
 
     def send_claimed(self, claimed: Claimed) -> tuple[Claim, SentBatch]:
         """The send step of a cycle: send a claimed batch within its lease, timed; its
@@ -88,10 +105,29 @@ class BatchSender:
         return claim, sent
 
     def send(self, claim: Claim, problems: dict[int, Problem], lease_ends: float) -> SentBatch:
-        """Send the claimed events; decide every key's and event's next state."""
+        """Send the claimed events; decide every key's and event's next state.
+
+        Keys in doubt are read back from Kafka first (:mod:`~outbox_kafka.relay.recover`):
+        what is found there is recorded as delivered, not sent again."""
         topic_problem = self.publisher.topic_problem
         message_limit = self.publisher.message_limit
-        plan = plan_batch(claim, problems, topic_problem, self.policy, message_limit)
+        recovery = self.recovery
+        found: FoundOnKafka | None = None
+        partition_of = None
+        if recovery is not None and claim.session is not None:
+            if any(k.doubt for k in claim.keys):
+                found = self._read_back(recovery, claim, lease_ends)
+            partition_of = recovery.partition_of(claim.session)
+        self._session, self._handed = claim.session, []
+        plan = plan_batch(
+            claim,
+            problems,
+            topic_problem,
+            self.policy,
+            message_limit,
+            found=found,
+            partition_of=partition_of,
+        )
         results = plan.results
         first = plan.discarded_first
         first_copies = dead_letter_messages(
@@ -100,7 +136,7 @@ class BatchSender:
         if plan.messages or first_copies:
             deliveries = self._send(plan.messages + first_copies, lease_ends)
             sent = deliveries[: len(plan.messages)]
-            results.deliveries = {id(e): d for e, d in zip(plan.events, sent, strict=True)}
+            results.deliveries.update((id(e), d) for e, d in zip(plan.events, sent, strict=True))
             note_copies(first, first_copies, deliveries[len(plan.messages) :], results.copies)
 
         # One walk per key decides both its next state and the dead-letter copies
@@ -127,8 +163,12 @@ class BatchSender:
                 for (claimed, due), settled in zip(plan.keys, settlements, strict=True)
             ]
 
-        handed = sum(1 for delivery in results.deliveries.values() if delivery.sent)
+        handed = sum(1 for e in plan.events if results.deliveries[id(e)].sent)
         batch = SentBatch(keys=plan.idle_keys, sent=handed)
+        if recovery is not None and claim.session is not None:
+            batch.doubts = recovery.doubts(
+                claim.session, found.resolved if found else set(), self._handed
+            )
         for settled in settlements:
             batch.keys.append(settled.key)
             batch.events.extend(settled.events)
@@ -193,6 +233,18 @@ class BatchSender:
         if not self._lease.room_to_send(left):
             self.observer.send_skipped(len(messages), left)
             return [Delivery() for _ in messages]
+        if self.recovery is not None and self._session is not None:
+            try:
+                # Committed before anything is produced to a partition new to the session.
+                messages = self.recovery.place(self._session, messages, timeout=left / 4)
+            except (StorageError, ReadBackError) as exc:
+                # Nothing was produced: a failure like any other before the broker
+                # took the messages, retried after a backoff.
+                error = f"FLOORS_UNAVAILABLE: {exc}"
+                return [
+                    Delivery(Verdict.RETRIABLE, error=error, sent=True, reported=True)
+                    for _ in messages
+                ]
         sending = self.observer.before_send(messages)
         deliveries: list[Delivery] = []
         try:
@@ -201,7 +253,21 @@ class BatchSender:
             # Messages without a delivery (the send raised) count as not sent.
             missing = len(sending) - len(deliveries)
             self.observer.after_send(sending, deliveries + [Delivery() for _ in range(missing)])
+        self._handed.extend(zip(messages, deliveries, strict=False))
         return deliveries
+
+    def _read_back(self, recovery: Recovery, claim: Claim, lease_ends: float) -> FoundOnKafka:
+        """Read Kafka back for the claim's keys in doubt, leaving the lease room to
+        send what is not found; a read-back that fails proves nothing."""
+        deadline = lease_ends - self._lease.delivery_timeout - READ_BACK_MARGIN
+        try:
+            return recovery.read_back(claim, deadline)
+        except (StorageError, ReadBackError) as exc:
+            log.warning(
+                "could not read Kafka back for keys in doubt; they wait",
+                extra={"action": "read_back_failed", "error": str(exc)},
+            )
+            return recovery.unproven(claim, str(exc))
 
 
 log = logging.getLogger("outbox_kafka.publisher")
@@ -258,6 +324,25 @@ _REBUILD_CODES = {
     KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
     KafkaError.INVALID_PRODUCER_ID_MAPPING,
 }
+
+
+# Errors in a delivery report that prove the broker did not append the message:
+# it refused it, or it never left the producer. Any other error (a timeout, a
+# lost connection, a producer fenced mid-request) leaves it in doubt.
+_NOT_APPENDED_CODES = (
+    _HELD_CODES
+    | _BATCH_CODES
+    | _PERMANENT_CODES
+    | {
+        KafkaError.INVALID_MSG,
+        KafkaError.INVALID_REQUIRED_ACKS,
+        KafkaError.INVALID_TIMESTAMP,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError._PURGE_QUEUE,
+        KafkaError._QUEUE_FULL,
+        KafkaError._TIMED_OUT_QUEUE,
+    }
+)
 
 
 def _needs_rebuild(err: KafkaError) -> bool:
@@ -327,6 +412,8 @@ class Publisher:
         self._missing_topics: dict[str, tuple[Problem, float]] = {}
         #: By topic: (its max.message.bytes or None where not told, when it was read).
         self._topic_limits: dict[str, tuple[int | None, float]] = {}
+        #: By topic: (its partition count, when it was read).
+        self._partition_counts: dict[str, tuple[int, float]] = {}
         self._metadata_timeout = metadata_timeout
         self._metadata_retry_at = 0.0
         self._metadata_error = ""
@@ -401,6 +488,7 @@ class Publisher:
         for name, meta in metadata.topics.items():
             if meta.error is None:
                 self._known_topics.add(name)
+                self._partition_counts[name] = (len(meta.partitions), time.monotonic())
         if topic in self._known_topics:
             return None
         problem = self._unavailable(topic, metadata)
@@ -453,6 +541,28 @@ class Publisher:
             )
         self._known_topics.add(topic)
         return None
+
+    def partition_count(self, topic: str) -> int | None:
+        """How many partitions ``topic`` has (read again after a minute, so that
+        partitions an operator adds are used); None when its metadata cannot be read."""
+        now = time.monotonic()
+        cached = self._partition_counts.get(topic)
+        if cached is not None and now - cached[1] < TOPIC_LIMIT_SECONDS:
+            return cached[0]
+        if now < self._metadata_retry_at:
+            # The last fetch failed moments ago: do not block on it again per key.
+            return None if cached is None else cached[0]
+        try:
+            metadata = self._producer.list_topics(topic, timeout=self._metadata_timeout)
+        except KafkaException as exc:
+            self._metadata_error = f"METADATA_UNAVAILABLE: cannot read topic metadata: {exc}"
+            self._metadata_retry_at = time.monotonic() + METADATA_RETRY_SECONDS
+            return None if cached is None else cached[0]
+        listed = metadata.topics.get(topic)
+        if listed is None or listed.error is not None or not listed.partitions:
+            return None if cached is None else cached[0]
+        self._partition_counts[topic] = (len(listed.partitions), now)
+        return len(listed.partitions)
 
     def message_limit(self, topic: str) -> int | None:
         """The largest message ``topic`` takes (its ``max.message.bytes``), where the
@@ -512,6 +622,7 @@ class Publisher:
                         msg.topic,
                         msg.value,
                         msg.key,
+                        partition=-1 if msg.partition is None else msg.partition,
                         headers=msg.headers,
                         on_delivery=partial(on_delivery, delivery),
                     )
@@ -541,7 +652,14 @@ class Publisher:
         produce: Any = producer.produce
         while True:
             try:
-                produce(msg.topic, msg.value, msg.key, headers=msg.headers, on_delivery=callback)
+                produce(
+                    msg.topic,
+                    msg.value,
+                    msg.key,
+                    partition=-1 if msg.partition is None else msg.partition,
+                    headers=msg.headers,
+                    on_delivery=callback,
+                )
                 return
             except BufferError:
                 # Local queue full: serve delivery reports to make room.
@@ -568,6 +686,7 @@ class Publisher:
                 delivery.verdict = _verdict(err, reported=True)
                 delivery.error = _describe(err)
                 delivery.fatal = _needs_rebuild(err)
+                delivery.may_have_landed = err.code() not in _NOT_APPENDED_CODES
             delivery.reported = True
 
     def _wait(

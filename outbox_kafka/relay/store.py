@@ -25,8 +25,10 @@ from outbox_kafka.relay.batch import (
     Claim,
     ClaimedEvent,
     ClaimedKey,
+    Doubts,
     EventOutcome,
     EventStatus,
+    Floor,
     KeyOutcome,
     RecordResult,
     Remaining,
@@ -103,16 +105,19 @@ class Store:
         lease_seconds: float,
         max_keys: int | None = None,
         max_bytes: int = DEFAULT_MAX_CLAIM_BYTES,
+        session: uuid.UUID | None = None,
     ) -> Claim:
         """Lease up to ``max_keys`` keys (default ``batch_size``) and read their next events.
 
         At most ``batch_size`` events come back, shared evenly between the keys,
         and events whose values and headers start past ``max_bytes`` stay in
         the table (their keys marked ``withheld``); the first event always comes.
+        ``session``: the relay session that will send the claim, written on its keys.
         """
         token = uuid.uuid4()
         params = {
             "token": str(token),
+            "session": None if session is None else str(session),
             "max_keys": max_keys or batch_size,
             "batch_size": batch_size,
             "max_bytes": max_bytes,
@@ -120,13 +125,13 @@ class Store:
             "admit_limit": _ADMIT_PER_KEY * (max_keys or batch_size),
         }
         try:
-            rows, as_text, per_key, due_ats = self._claim_rows(params, as_text=True)
+            rows, as_text, per_key, leased = self._claim_rows(params, as_text=True)
         except _ValueNotText:
             # A value that is not UTF-8 (written behind the library's back) failed
             # the whole statement, which changed nothing: claim again with every
             # value in bytea's escape format. The relay discards that event as an
             # invalid envelope, and the claims after it are back on text.
-            rows, as_text, per_key, due_ats = self._claim_rows(params, as_text=False)
+            rows, as_text, per_key, leased = self._claim_rows(params, as_text=False)
         keys: dict[str, ClaimedKey] = {}
         claimed: ClaimedKey | None = None
         for (
@@ -145,8 +150,9 @@ class Store:
         ) in rows:
             # Rows come ordered by key: a key's rows are consecutive.
             if claimed is None or claimed.key != key:
+                due_at, doubt = leased[key]
                 claimed = keys[key] = ClaimedKey(
-                    key, next_seq, last_seq=last_seq, due_at=due_ats[key]
+                    key, next_seq, last_seq=last_seq, due_at=due_at, doubt=doubt
                 )
             if withheld:
                 claimed.withheld = True
@@ -177,7 +183,7 @@ class Store:
                     text,
                 )
             )
-        return Claim(token=token, keys=list(keys.values()), per_key_limit=per_key)
+        return Claim(token=token, keys=list(keys.values()), per_key_limit=per_key, session=session)
 
     def _admit(self, cur: Any, limit: int) -> None:
         """Move producers' arrivals into the key queue, a few passes at most."""
@@ -200,10 +206,10 @@ class Store:
 
     def _claim_rows(
         self, params: dict[str, Any], *, as_text: bool
-    ) -> tuple[list[Any], bool, int, dict[str, float]]:
+    ) -> tuple[list[Any], bool, int, dict[str, tuple[float, tuple[str, ...]]]]:
         """Run the claim; its rows, whether their values came as text, each key's
-        share of the batch (the most events read per key), and when each key was
-        due before the claim (seconds since the epoch)."""
+        share of the batch (the most events read per key), and by key when it was
+        due before the claim (seconds since the epoch) and its doubtful sessions."""
         with self._cursor("claiming events") as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
             # The keys that producers added since the last claim join the queue
@@ -220,10 +226,10 @@ class Store:
                 cur.execute(
                     self._q.driver_sql("claim_events"),
                     {
-                        "key_names": pg_text_array([key for key, _, _ in leased]),
-                        "key_next_seqs": pg_int_array([next_seq for _, next_seq, _ in leased]),
+                        "key_names": pg_text_array([row[0] for row in leased]),
+                        "key_next_seqs": pg_int_array([row[1] for row in leased]),
                         # The keys' places in the queue: the budget goes in their order.
-                        "key_due_ats": pg_array([due_at for _, _, due_at in leased]),
+                        "key_due_ats": pg_array([row[2] for row in leased]),
                         "per_key_limit": per_key,
                         "max_bytes": params["max_bytes"],
                         "values_as_text": as_text,
@@ -233,16 +239,33 @@ class Store:
                 if as_text and exc.pgcode in _NOT_UTF8_TEXT:
                     raise _ValueNotText from exc
                 raise
-            return cur.fetchall(), as_text, per_key, {key: due for key, _, due in leased}
+            by_key = {key: (due, tuple(doubt or ())) for key, _, due, doubt in leased}
+            return cur.fetchall(), as_text, per_key, by_key
 
     def record(
-        self, token: uuid.UUID, keys: Sequence[KeyOutcome], events: Sequence[EventOutcome]
+        self,
+        token: uuid.UUID,
+        keys: Sequence[KeyOutcome],
+        events: Sequence[EventOutcome],
+        doubts: Doubts | None = None,
     ) -> RecordResult:
-        """Record a batch's outcome, fenced by ``token``, in one statement."""
+        """Record a batch's outcome, fenced by ``token``, in one statement; with
+        ``doubts``, also which keys are in doubt now and the session's raised floors."""
         delivered = [e for e in events if e.status == EventStatus.DELIVERED]
         others = [e for e in events if e.status != EventStatus.DELIVERED]
+        resolved = doubts.resolved if doubts is not None else frozenset()
+        doubtful = doubts.doubtful if doubts is not None else frozenset()
+        floors = list(doubts.floors.items()) if doubts is not None else []
         params: dict[str, Any] = {
             "token": str(token),
+            "session": None if doubts is None else str(doubts.session),
+            # Shorter arrays are padded with NULLs, which count as false: the
+            # common batch, with no doubt, sends none.
+            "key_resolved": pg_array([k.key in resolved for k in keys]) if resolved else "{}",
+            "key_doubtful": pg_array([k.key in doubtful for k in keys]) if doubtful else "{}",
+            "floor_topics": pg_text_array([topic for (topic, _), _ in floors]),
+            "floor_partitions": pg_int_array([partition for (_, partition), _ in floors]),
+            "floor_offsets": pg_int_array([offset for _, offset in floors]),
             "key_names": pg_array([k.key for k in keys]),
             "key_next_seqs": pg_int_array([k.next_seq for k in keys]),
             "key_delays": pg_array([k.delay for k in keys]),
@@ -272,6 +295,37 @@ class Store:
             retried=retried,
             latencies=[float(x) for x in (latencies or [])],
         )
+
+    # Floors: where each relay session's unrecorded messages may begin.
+
+    def open_floors(self, session: uuid.UUID, floors: Sequence[Floor]) -> None:
+        """Write ``session``'s floors on partitions it is about to produce to for the
+        first time (a floor it has keeps its value); committed on return."""
+        with self._cursor("opening floors") as cur:
+            cur.execute(
+                self._q.driver_sql("open_floors"),
+                {
+                    "session": str(session),
+                    "topics": pg_text_array([f.topic for f in floors]),
+                    "kafka_partitions": pg_int_array([f.partition for f in floors]),
+                    "partition_counts": pg_int_array([f.partitions for f in floors]),
+                    "floor_offsets": pg_int_array([f.offset for f in floors]),
+                },
+            )
+
+    def read_floors(self, sessions: Sequence[str], topics: Sequence[str]) -> list[Floor]:
+        """The floors of ``sessions`` on ``topics``."""
+        with self._cursor("reading floors") as cur:
+            cur.execute(
+                self._q.driver_sql("read_floors"),
+                {"sessions": pg_array(list(sessions)), "topics": pg_text_array(list(topics))},
+            )
+            return [Floor(*row) for row in cur.fetchall()]
+
+    def forget_floors(self, older_seconds: float) -> None:
+        """Delete the floors of sessions older than ``older_seconds`` that no key names."""
+        with self._cursor("forgetting old floors") as cur:
+            cur.execute(self._q.driver_sql("forget_floors"), {"older_seconds": older_seconds})
 
     def purge(self, *, delivered_seconds: float, discarded_seconds: float, batch: int) -> int:
         """Delete old delivered and discarded events, ``batch`` rows per transaction."""

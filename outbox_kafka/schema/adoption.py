@@ -36,7 +36,7 @@ def describe(conn: Connection, names: TableNames) -> Description:
     Keyed by (kind, table, name), with the outbox's own table name standing
     for its prefix, so that outboxes of other names compare too.
     """
-    tables = [names.events, names.keys, names.seqs, names.arrivals]
+    tables = [names.events, names.keys, names.seqs, names.arrivals, names.floors]
     rows = conn.execute(
         queries_for(names)["describe_outbox"],
         {

@@ -57,6 +57,8 @@ CREATE TABLE public.outbox_keys (
     lease_expires_at timestamp with time zone,
     parked_at timestamp with time zone,
     created_at timestamp with time zone NOT NULL DEFAULT now(),
+    claim_session uuid,
+    doubt_sessions uuid[],
     CONSTRAINT outbox_keys_pkey PRIMARY KEY (ordering_key)
 );
 
@@ -75,6 +77,23 @@ CREATE TABLE public.outbox_arrivals (
 );
 
 ALTER TABLE public.outbox_arrivals SET (
+    autovacuum_vacuum_cost_delay = 0,
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 2000,
+    fillfactor = 70
+);
+
+CREATE TABLE public.outbox_floors (
+    session uuid NOT NULL,
+    topic text NOT NULL,
+    kafka_partition integer NOT NULL,
+    partitions integer NOT NULL,
+    floor_offset bigint NOT NULL,
+    created_at timestamp with time zone NOT NULL DEFAULT now(),
+    CONSTRAINT outbox_floors_pkey PRIMARY KEY (session, topic, kafka_partition)
+);
+
+ALTER TABLE public.outbox_floors SET (
     autovacuum_vacuum_cost_delay = 0,
     autovacuum_vacuum_scale_factor = 0,
     autovacuum_vacuum_threshold = 2000,
@@ -201,4 +220,5 @@ INSERT INTO "public"."outbox_migrations" (version, name) VALUES
     (2, 'arrivals'),
     (3, 'enqueue_function'),
     (4, 'drop_pending_index'),
-    (5, 'producer_functions');
+    (5, 'producer_functions'),
+    (6, 'exactly_once');

@@ -25,20 +25,21 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from outbox_kafka.naming import TableNames
 
 
 @dataclass(frozen=True)
 class OutboxTables:
-    """The tables of one outbox, on one ``MetaData``: its four, and its migrations table."""
+    """The tables of one outbox, on one ``MetaData``: its five, and its migrations table."""
 
     metadata: MetaData
     events: Table
     keys: Table
     seqs: Table
     arrivals: Table
+    floors: Table
     versions: Table
 
 
@@ -112,6 +113,8 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Column("lease_expires_at", DateTime(timezone=True)),
         Column("parked_at", DateTime(timezone=True)),
         Column("created_at", DateTime(timezone=True), nullable=False, server_default=now),
+        Column("claim_session", Uuid),
+        Column("doubt_sessions", ARRAY(Uuid)),
         Index(f"{names.keys}_due_idx", "due_at", postgresql_where=text("parked_at IS NULL")),
         schema=schema,
     )
@@ -121,6 +124,17 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Column("ordering_key", Text, primary_key=True),
         Column("first_seq", BigInteger, nullable=False),
         Column("due_at", DateTime(timezone=True), nullable=False, server_default=now),
+        schema=schema,
+    )
+    floors = Table(
+        names.floors,
+        md,
+        Column("session", Uuid, primary_key=True),
+        Column("topic", Text, primary_key=True),
+        Column("kafka_partition", Integer, primary_key=True, autoincrement=False),
+        Column("partitions", Integer, nullable=False),
+        Column("floor_offset", BigInteger, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=now),
         schema=schema,
     )
     # The migrations applied (``outbox-kafka migrate``): here so that Alembic's
@@ -133,7 +147,15 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Column("applied_at", DateTime(timezone=True), nullable=False, server_default=now),
         schema=schema,
     )
-    return OutboxTables(md, events, keys, seqs, arrivals, versions)
+    return OutboxTables(
+        metadata=md,
+        events=events,
+        keys=keys,
+        seqs=seqs,
+        arrivals=arrivals,
+        floors=floors,
+        versions=versions,
+    )
 
 
 _default = build_tables()
@@ -143,4 +165,5 @@ outbox_events = _default.events
 outbox_keys = _default.keys
 outbox_key_seq = _default.seqs
 outbox_arrivals = _default.arrivals
+outbox_floors = _default.floors
 outbox_migrations = _default.versions

@@ -26,6 +26,7 @@ WALK = [
     "relay.claim",  # how much to claim; each event checked
     "relay.store",  # the claim and the fenced record
     "relay.decide",  # the plan, then the key's and the event's next state
+    "relay.recover",  # its partition, and the session's floor there before the send
     "relay.send",  # the send under the lease; the producer and its delivery report
 ]
 

@@ -79,6 +79,7 @@ def applied_versions(url: str, names: TableNames | None = None) -> list[tuple[in
 OUTBOX_TABLES = [
     "outbox",
     "outbox_arrivals",
+    "outbox_floors",
     "outbox_key_seq",
     "outbox_keys",
     "outbox_migrations",
@@ -90,6 +91,7 @@ MIGRATIONS = [
     (3, "enqueue_function"),
     (4, "drop_pending_index"),
     (5, "producer_functions"),
+    (6, "exactly_once"),
 ]
 
 
@@ -99,7 +101,7 @@ def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str
 
     first = run_cli("migrate", database_url=url)
     assert first.returncode == 0, first.stderr
-    assert "applied migrations [1, 2, 3, 4, 5]" in first.stdout
+    assert "applied migrations [1, 2, 3, 4, 5, 6]" in first.stdout
     assert "public.outbox" in first.stdout
     assert relations(url) == OUTBOX_TABLES
 
@@ -142,7 +144,7 @@ def test_concurrent_migrations_apply_once(empty_database: Callable[[], str], rou
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err
     stdouts = sorted(out for out, _ in outputs)
-    assert sum("applied migrations [1, 2, 3, 4, 5]" in out for out in stdouts) == 1, stdouts
+    assert sum("applied migrations [1, 2, 3, 4, 5, 6]" in out for out in stdouts) == 1, stdouts
     assert sum("up to date" in out for out in stdouts) == 1, stdouts
     assert applied_versions(url) == MIGRATIONS
     assert relations(url) == OUTBOX_TABLES
@@ -276,6 +278,7 @@ def test_custom_table_and_schema(empty_database: Callable[[], str], via: str) ->
     assert relations(url, "app") == [
         "orders_outbox",
         "orders_outbox_arrivals",
+        "orders_outbox_floors",
         "orders_outbox_key_seq",
         "orders_outbox_keys",
         "orders_outbox_migrations",
@@ -289,7 +292,7 @@ def test_custom_table_and_schema(empty_database: Callable[[], str], via: str) ->
     assert "up to date" in again.stdout
     # The default outbox is a separate outbox in the same database.
     default = run_cli("migrate", database_url=url)
-    assert "applied migrations [1, 2, 3, 4, 5]" in default.stdout
+    assert "applied migrations [1, 2, 3, 4, 5, 6]" in default.stdout
     assert relations(url, "public") == OUTBOX_TABLES
 
 

@@ -34,6 +34,7 @@ _TIMES = {
     "outbox": ("available_at", "delivered_at", "created_at"),
     "outbox_keys": ("due_at", "lease_expires_at", "parked_at", "created_at"),
     "outbox_arrivals": ("due_at",),
+    "outbox_floors": ("created_at",),
 }
 
 

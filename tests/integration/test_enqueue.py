@@ -853,6 +853,7 @@ def test_tables_metadata_matches_the_database(engine: sa.Engine, names: TableNam
         described.keys,
         described.seqs,
         described.arrivals,
+        described.floors,
         described.versions,
     ):
         schema = table.schema

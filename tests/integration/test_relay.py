@@ -348,13 +348,18 @@ def _explain_claim(engine: sa.Engine, batch_size: int) -> dict[str, Any]:
         try:
             cur.execute(
                 queries.driver_sql("claim_keys"),
-                {"token": str(uuid.uuid4()), "max_keys": batch_size, "lease_seconds": 30.0},
+                {
+                    "token": str(uuid.uuid4()),
+                    "session": None,
+                    "max_keys": batch_size,
+                    "lease_seconds": 30.0,
+                },
             )
             leased = cur.fetchall()
             params = {
-                "key_names": pg_text_array([key for key, _, _ in leased]),
-                "key_next_seqs": pg_int_array([next_seq for _, next_seq, _ in leased]),
-                "key_due_ats": pg_array([due_at for _, _, due_at in leased]),
+                "key_names": pg_text_array([row[0] for row in leased]),
+                "key_next_seqs": pg_int_array([row[1] for row in leased]),
+                "key_due_ats": pg_array([row[2] for row in leased]),
                 "per_key_limit": max(1, batch_size // max(1, len(leased))),
                 "max_bytes": DEFAULT_MAX_CLAIM_BYTES,
                 "values_as_text": True,

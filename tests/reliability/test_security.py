@@ -640,6 +640,13 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
             "UPDATE outbox_keys SET parked_at = now()",
             "INSERT INTO outbox_keys (ordering_key, next_seq) VALUES ('x', 1)",
             "DELETE FROM outbox_arrivals",
+            "SELECT doubt_sessions FROM outbox_keys",
+            "UPDATE outbox_keys SET doubt_sessions = NULL",
+            "SELECT floor_offset FROM outbox_floors",
+            "INSERT INTO outbox_floors (session, topic, kafka_partition, partitions, "
+            "floor_offset) VALUES (gen_random_uuid(), 't', 0, 1, 0)",
+            "UPDATE outbox_floors SET floor_offset = 0",
+            "DELETE FROM outbox_floors",
         ):
             _denied(producer, sql)
 
@@ -674,6 +681,45 @@ def test_least_privilege_roles_are_enough_and_nothing_more(
         )
         _denied(relay_engine, "UPDATE outbox SET value = 'x'")
         _denied(relay_engine, "UPDATE outbox_key_seq SET ordering_key = 'x'")
+
+        # A relay session's floors: opened, raised, read and deleted, with the key
+        # queue's record of the sessions; nothing of a floor but its offset changes.
+        session = {"s": str(uuid.uuid4())}
+        with relay_engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO outbox_floors (session, topic, kafka_partition, partitions, "
+                    "floor_offset) VALUES (:s, 't', 0, 2, 5) "
+                    "ON CONFLICT (session, topic, kafka_partition) DO NOTHING"
+                ),
+                session,
+            )
+            conn.execute(
+                sa.text(
+                    "UPDATE outbox_floors SET floor_offset = GREATEST(floor_offset, 9) "
+                    "WHERE session = :s"
+                ),
+                session,
+            )
+            conn.execute(
+                sa.text(
+                    "UPDATE outbox_keys SET claim_session = :s, "
+                    "doubt_sessions = ARRAY[CAST(:s AS uuid)] WHERE ordering_key = 'none'"
+                ),
+                session,
+            )
+        raised = scalar(
+            relay_engine, "SELECT floor_offset FROM outbox_floors WHERE session = :s", **session
+        )
+        assert raised == 9
+        for column in ("session", "topic", "kafka_partition", "partitions", "created_at"):
+            _denied(relay_engine, f"UPDATE outbox_floors SET {column} = {column}")
+        _denied(relay_engine, "UPDATE outbox_keys SET created_at = now()")
+        with relay_engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM outbox_floors WHERE session = :s"), session)
+        assert (
+            scalar(engine, "SELECT count(*) FROM outbox_floors WHERE session = :s", **session) == 0
+        )
 
         # Without the grants, both sides fail at once, naming what is missing.
         with pytest.raises(sa.exc.ProgrammingError) as caught, bare.begin() as conn:
@@ -737,7 +783,7 @@ def test_a_producer_of_schema_version_4_keeps_writing_through_the_upgrade(
         with producer.begin() as conn:
             assert outbox.writer.functions(conn) == (True, False)
             outbox.enqueue(conn, type="t", key="k", data=0, topic="t")
-        assert migrate(engine, names).applied == [5]
+        assert migrate(engine, names).applied == [5, 6]
         with producer.begin() as conn:  # the same pooled connection, its answer kept
             assert outbox.writer.functions(conn) == (True, False)
             outbox.enqueue(conn, type="t", key="k", data=1, topic="t")

@@ -22,6 +22,7 @@ MOVED = [
     ("outbox_kafka.tables", "metadata", "outbox_kafka.schema.metadata"),
     ("outbox_kafka.tables", "build_tables", "outbox_kafka.schema.metadata"),
     ("outbox_kafka.tables", "outbox_migrations", "outbox_kafka.schema.metadata"),
+    ("outbox_kafka.tables", "outbox_floors", "outbox_kafka.schema.metadata"),
 ]
 
 

@@ -219,6 +219,8 @@ def test_table_names_accept_plain_identifiers(good: str) -> None:
     assert names.events == good
     assert names.keys == f"{good}_keys"
     assert names.seqs == f"{good}_key_seq"
+    assert names.floors == f"{good}_floors"
+    assert names.placeholders()["floors"] == f'"{good}"."{good}_floors"'
     assert names.qualified_events == f"{good}.{good}"
 
 
@@ -236,14 +238,22 @@ def _longest_accepted(kind: str) -> str:
 def test_every_derived_object_name_fits_postgres_limit() -> None:
     """PostgreSQL silently truncates identifiers over 63 bytes: every name must fit."""
     names = TableNames(table=_longest_accepted("table"))
-    objects = [names.events, names.keys, names.seqs, names.versions]
+    objects = [names.events, names.keys, names.seqs, names.arrivals, names.floors, names.versions]
+    # The primary keys PostgreSQL names after their tables.
+    objects += [f"{table}_pkey" for table in list(objects)]
+    objects += [names.enqueue_one, names.enqueue_many]
     objects += [
         value.strip('"')
         for key, value in names.placeholders().items()
         if key.startswith(("events_", "keys_"))
     ]
-    assert len(objects) == 11
+    assert len(objects) == 21
     assert [name for name in objects if len(name.encode()) > 63] == []
+
+
+def test_a_new_object_of_the_outbox_does_not_shorten_the_table_names_accepted() -> None:
+    """An outbox named at the longest length a release accepted stays valid in the next."""
+    assert len(_longest_accepted("table")) == 47
 
 
 def test_notify_channel_fits_postgres_limit() -> None:

@@ -167,6 +167,12 @@ SELECT count(*) AS moved, max(ordering_key) AS last_key FROM moved;
 -- come from the older snapshot, where the requeued events are still
 -- discarded. The next statement takes a new snapshot, after these locks are
 -- held, so it sees every change committed to these keys.
+--
+-- A key whose claim token is still set was claimed and never recorded: the
+-- relay session that claimed it (claim_session) may have sent its events, so
+-- that session joins the key's doubt_sessions, which come back with the key:
+-- the relay reads Kafka back from those sessions' floors before it sends the
+-- key again (see record_batch for how a doubt ends).
 WITH candidates AS (
     SELECT ordering_key, due_at
     FROM {keys}
@@ -177,13 +183,20 @@ WITH candidates AS (
 )
 UPDATE {keys} k
 SET claim_token = :token,
+    claim_session = CAST(:session AS uuid),
+    doubt_sessions = CASE
+        WHEN k.claim_token IS NULL OR k.claim_session IS NULL
+             OR k.claim_session = ANY(coalesce(k.doubt_sessions, '{}')) THEN k.doubt_sessions
+        ELSE array_append(coalesce(k.doubt_sessions, '{}'), k.claim_session)
+    END,
     lease_expires_at = now() + make_interval(secs => :lease_seconds),
     due_at = now() + make_interval(secs => :lease_seconds)
 FROM candidates c
 WHERE k.ordering_key = c.ordering_key
   -- The array keeps the key lookups on the primary key's index.
   AND k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
-RETURNING k.ordering_key, k.next_seq, CAST(EXTRACT(EPOCH FROM c.due_at) AS double precision);
+RETURNING k.ordering_key, k.next_seq, CAST(EXTRACT(EPOCH FROM c.due_at) AS double precision),
+          CAST(k.doubt_sessions AS text[]);
 
 -- name: claim_events
 -- The next pending events of the keys claim_keys has just leased
@@ -280,6 +293,14 @@ ORDER BY ordering_key, seq;
 -- delay, or, given a due time (:key_due_ats, seconds since the epoch; NULL
 -- for none), at that time: a key handed back as it was claimed keeps its
 -- place in the queue.
+--
+-- A key's doubt (see claim_keys): the sessions the read-back settled
+-- (:key_resolved) leave it; the batch's own session (:session) joins it when
+-- an event of the key may have reached Kafka without an acknowledgement
+-- (:key_doubtful). When every key of the batch is still owned, the session's
+-- floors are raised to just past the offsets this batch recorded
+-- (:floor_topics, :floor_partitions, :floor_offsets; the relay gives none
+-- when an outcome of the session may have been delivered unrecorded).
 WITH batch_keys AS (
     SELECT *
     FROM unnest(
@@ -288,8 +309,10 @@ WITH batch_keys AS (
         CAST(:key_delays AS double precision[]),
         CAST(:key_due_ats AS double precision[]),
         CAST(:key_parks AS boolean[]),
-        CAST(:key_drained AS boolean[])
-    ) AS v(ordering_key, next_seq, delay, due_at, park, drained)
+        CAST(:key_drained AS boolean[]),
+        CAST(:key_resolved AS boolean[]),
+        CAST(:key_doubtful AS boolean[])
+    ) AS v(ordering_key, next_seq, delay, due_at, park, drained, resolved, doubtful)
 ), removable AS (
     SELECT s.ordering_key
     FROM {seqs} s
@@ -308,7 +331,15 @@ WITH batch_keys AS (
         due_at = COALESCE(to_timestamp(v.due_at), now() + make_interval(secs => v.delay)),
         claim_token = NULL,
         lease_expires_at = NULL,
-        parked_at = CASE WHEN v.park THEN now() END
+        parked_at = CASE WHEN v.park THEN now() END,
+        doubt_sessions = CASE
+            WHEN v.doubtful AND v.resolved THEN ARRAY[CAST(:session AS uuid)]
+            WHEN v.doubtful THEN array_append(
+                array_remove(coalesce(h.doubt_sessions, '{}'), CAST(:session AS uuid)),
+                CAST(:session AS uuid))
+            WHEN v.resolved THEN NULL
+            ELSE h.doubt_sessions
+        END
     FROM batch_keys v
     WHERE h.ordering_key = v.ordering_key
       AND h.ordering_key = ANY(CAST(:key_names AS text[]))
@@ -366,6 +397,19 @@ WITH batch_keys AS (
       AND e.status = 'pending'
       AND e.ordering_key IN (SELECT ordering_key FROM owned)
     RETURNING e.event_id, e.status, EXTRACT(EPOCH FROM now() - e.created_at) AS latency
+), raised AS (
+    UPDATE {floors} f
+    SET floor_offset = GREATEST(f.floor_offset, r.floor_offset)
+    FROM unnest(
+        CAST(:floor_topics AS text[]),
+        CAST(:floor_partitions AS integer[]),
+        CAST(:floor_offsets AS bigint[])
+    ) AS r(topic, kafka_partition, floor_offset)
+    WHERE f.session = CAST(:session AS uuid)
+      AND f.topic = r.topic
+      AND f.kafka_partition = r.kafka_partition
+      AND (SELECT count(*) FROM owned) = cardinality(CAST(:key_names AS text[]))
+    RETURNING 1
 )
 SELECT (SELECT count(*) FROM owned) AS keys_owned,
        (SELECT count(*) FROM removed) AS keys_removed,
@@ -400,6 +444,14 @@ WITH picked AS (
         -- Due now, unless the key waits already: a lease, or the relay holding it
         -- while a message of it may still land. Never sooner than that.
         due_at = GREATEST(h.due_at, now()),
+        -- The relay holding the key may have sent its events: its session stays
+        -- in doubt, for the next holder to read back (see claim_keys).
+        doubt_sessions = CASE
+            WHEN h.claim_token IS NULL OR h.claim_session IS NULL
+                 OR h.claim_session = ANY(coalesce(h.doubt_sessions, '{}'))
+                THEN h.doubt_sessions
+            ELSE array_append(coalesce(h.doubt_sessions, '{}'), h.claim_session)
+        END,
         claim_token = NULL,
         lease_expires_at = NULL
     RETURNING 1
@@ -411,6 +463,48 @@ SELECT (SELECT count(*) FROM picked) AS requeued, (SELECT count(*) FROM heads) A
 -- wait the relay gave the key ends (a message of it may still land).
 UPDATE {keys} SET parked_at = NULL, due_at = GREATEST(due_at, now())
 WHERE parked_at IS NOT NULL AND ordering_key = ANY(CAST(:ordering_keys AS text[]));
+
+-- name: open_floors
+-- A relay session's floors on partitions it is about to produce to for the
+-- first time: the partition's end offset read just before, committed before
+-- anything is produced. A floor the session has already keeps its value.
+INSERT INTO {floors} (session, topic, kafka_partition, partitions, floor_offset)
+SELECT CAST(:session AS uuid), f.topic, f.kafka_partition, f.partitions, f.floor_offset
+FROM unnest(
+    CAST(:topics AS text[]),
+    CAST(:kafka_partitions AS integer[]),
+    CAST(:partition_counts AS integer[]),
+    CAST(:floor_offsets AS bigint[])
+) AS f(topic, kafka_partition, partitions, floor_offset)
+ORDER BY f.topic, f.kafka_partition
+ON CONFLICT (session, topic, kafka_partition) DO NOTHING;
+
+-- name: read_floors
+-- The floors of the sessions in doubt on these topics: where to start reading
+-- Kafka back.
+SELECT CAST(session AS text) AS session, topic, kafka_partition, partitions, floor_offset
+FROM {floors}
+WHERE session = ANY(CAST(:sessions AS uuid[])) AND topic = ANY(CAST(:topics AS text[]))
+ORDER BY topic, kafka_partition, session;
+
+-- name: forget_floors
+-- Deletes the floors of sessions older than :older_seconds that no key names
+-- any more: neither in its doubt, nor as the session of a claim never recorded
+-- (which the next claim of the key turns into a doubt). A relay session lives
+-- at most a day; the relay's retention task runs this.
+WITH old AS (
+    SELECT DISTINCT session FROM {floors}
+    WHERE created_at < now() - make_interval(secs => :older_seconds)
+), named AS (
+    SELECT claim_session AS session FROM {keys}
+    WHERE claim_token IS NOT NULL AND claim_session IN (SELECT session FROM old)
+    UNION
+    SELECT d.session
+    FROM {keys} k, unnest(k.doubt_sessions) AS d(session)
+    WHERE k.doubt_sessions IS NOT NULL
+)
+DELETE FROM {floors}
+WHERE session IN (SELECT session FROM old EXCEPT SELECT session FROM named);
 
 -- name: purge_delivered
 -- Retention for delivered events, in bounded batches. Rows another

@@ -1,0 +1,195 @@
+"""The recovery step (relay/recover.py, ``Recovery``) on the in-memory fakes: sessions
+and their floors, keys in doubt, and the read-back before a key in doubt is sent again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from outbox_kafka.relay import Relay
+from outbox_kafka.relay.batch import Floor, Verdict
+from outbox_kafka.relay.ports import Message
+from outbox_kafka.testing import InMemoryStore, StubPublisher, StubReader
+from tests.fakes_support import NO_DATABASE, enqueue
+from tests.relay_support import make_settings
+
+
+class Clock:
+    """The store's clock, moved on by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def relay(
+    store: InMemoryStore, publisher: StubPublisher, reader: StubReader | None = None, **over: Any
+) -> Relay:
+    return Relay(
+        make_settings(NO_DATABASE, "unused:1", **over),
+        store=store,
+        publisher=publisher,
+        reader=reader or publisher.reader(),
+    )
+
+
+def sample(r: Relay, name: str) -> float:
+    value = r.metrics.registry.get_sample_value(name)
+    return 0.0 if value is None else value
+
+
+def on_log(publisher: StubPublisher) -> list[str]:
+    """The event ids on the publisher's log, in the order they landed."""
+    return [m.event_id for log in publisher.log.values() for m in log]
+
+
+def test_an_outcome_that_may_have_landed_puts_the_key_in_doubt_and_the_heir_records_it() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 2)
+    # The first event lands without a report (a timeout, a connection lost).
+    publisher = StubPublisher(
+        lambda m: Verdict.UNREPORTED if m.event_id == ids[0] else Verdict.DELIVERED
+    )
+    first = relay(store, publisher)
+    session = first.recovery.session() if first.recovery else None
+    first.cycle()
+    assert store.doubt("a") == [str(session)]
+    # The session's floors stay where they were: a message of it may be unrecorded.
+    assert [f.offset for f in store.floors()] == [0]
+    # Its next claims belong to another session.
+    assert first.recovery is not None and first.recovery.session() != session
+    # The key waits a lease for the message that may land; then it is read back.
+    clock.now += 60
+    publisher.answer = lambda m: Verdict.DELIVERED
+    first.cycle()
+    assert [e.status for e in store.events("a")] == ["delivered", "delivered"]
+    assert on_log(publisher) == ids  # each once
+    assert sample(first, "outbox_read_back_matched_total") == 1
+    # Every event claimed was found: more of the session's may follow, until the
+    # key has nothing left.
+    first.cycle()
+    assert store.doubt("a") == []
+
+
+def test_a_refusal_the_broker_reported_leaves_no_doubt() -> None:
+    store = InMemoryStore()
+    enqueue(store, "a", 1)
+    publisher = StubPublisher(lambda m: (Verdict.RETRIABLE, "NOT_ENOUGH_REPLICAS: refused"))
+    r = relay(store, publisher)
+    session = r.recovery.session() if r.recovery else None
+    r.cycle()
+    assert store.doubt("a") == []
+    assert r.recovery is not None and r.recovery.session() == session
+
+
+def dead_relay_sent(
+    store: InMemoryStore, publisher: StubPublisher, clock: Clock, how_many: int
+) -> str:
+    """A relay claims the key "a", opens its floor on partition 0 of "t", sends its first
+    ``how_many`` events and dies before its record; its lease then runs out. Returns
+    its session."""
+    dead = relay(store, publisher)
+    assert dead.recovery is not None
+    session = dead.recovery.session()
+    claim = store.claim(batch_size=10, lease_seconds=5, session=session)
+    store.open_floors(
+        session, [Floor(str(session), "t", 0, 1, len(publisher.log.get(("t", 0), [])))]
+    )
+    events = claim.keys[0].events[:how_many]
+    publisher.send(
+        [Message("t", b"a", e.value, e.headers or [], e.event_id, 0) for e in events], timeout=1
+    )
+    clock.now += 10
+    return str(session)
+
+
+def test_a_claim_that_ends_without_a_record_leaves_its_session_in_doubt() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 3)
+    publisher = StubPublisher()
+    dead_relay_sent(store, publisher, clock, 2)
+    heir = relay(store, publisher)
+    heir.cycle()
+    assert [e.status for e in store.events("a")] == ["delivered"] * 3
+    assert on_log(publisher) == ids
+    # The third was not found on Kafka: what the dead session sent ends there.
+    assert store.doubt("a") == []
+
+
+def test_when_every_event_claimed_is_found_the_doubt_stays_for_the_next_claim() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 4)
+    publisher = StubPublisher()
+    dead_relay_sent(store, publisher, clock, 4)
+    heir = relay(store, publisher, batch_size=2)  # claims two of the four sent
+    heir.cycle()
+    assert [e.status for e in store.events("a")] == ["delivered"] * 2 + ["pending"] * 2
+    assert store.doubt("a") != []  # two more of the dead session's may follow
+    heir.cycle()
+    assert [e.status for e in store.events("a")] == ["delivered"] * 4
+    assert on_log(publisher) == ids
+    assert sample(heir, "outbox_read_back_matched_total") == 4
+
+
+def test_an_unproven_key_waits_unsent_or_is_sent_when_the_operator_prefers() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 1)
+    publisher = StubPublisher()
+    dead_relay_sent(store, publisher, clock, 0)
+    blind = StubReader(publisher, unproven={("t", 0): "deadline reached"})
+    waiting = relay(store, publisher, blind)
+    waiting.cycle()
+    assert on_log(publisher) == [] and store.doubt("a") != []
+    assert sample(waiting, "outbox_read_back_unproven_total") == 1
+    clock.now += 10
+    sending = relay(
+        store, publisher, StubReader(publisher, unproven=blind.unproven), on_unproven="send"
+    )
+    sending.cycle()
+    assert on_log(publisher) == ids and store.doubt("a") == []
+    assert sample(sending, "outbox_read_back_sent_unproven_total") == 1
+
+
+def test_floors_open_before_the_first_send_and_rise_with_each_clean_record() -> None:
+    store = InMemoryStore()
+    enqueue(store, "a", 2)
+    enqueue(store, "b", 1)
+    publisher = StubPublisher(partitions={"t": 3})
+    r = relay(store, publisher)
+    r.cycle()
+    floors = store.floors()
+    assert {(f.topic, f.partition, f.partitions) for f in floors} == {
+        ("t", p, 3) for p in {m.partition for m in publisher.sends[0]}
+    }
+    assert all(m.partition is not None for m in publisher.sends[0])
+    ends = {(t, p): len(log) for (t, p), log in publisher.log.items()}
+    assert {(f.topic, f.partition): f.offset for f in store.floors()} == ends
+
+
+def test_a_lost_lease_keeps_the_sessions_floors_where_they_were() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 1)
+    heir_claim = []
+
+    def take_over(message: Message) -> Verdict:
+        # The lease ends while the message is in flight, and another relay claims the key.
+        clock.now += 60
+        heir_claim.append(store.claim(batch_size=10, lease_seconds=5))
+        return Verdict.DELIVERED
+
+    publisher = StubPublisher(take_over)
+    r = relay(store, publisher)
+    assert r.recovery is not None
+    session = r.recovery.session()
+    r.cycle()
+    assert heir_claim[0].keys[0].doubt == (str(session),)
+    assert [f.offset for f in store.floors()] == [0]
+    assert r.recovery.session() != session
+    assert sample(r, "outbox_acknowledged_unrecorded_total") == 1
+    assert on_log(publisher) == ids
