@@ -703,13 +703,11 @@ class Recovery:
                 )
                 topics.add(event.topic)
                 if self._dead_letter_topic is not None:
+                    # A copy carries the event's id in its outbox_event_id header.
+                    copied = [("outbox_event_id", event.event_id.encode())]
                     copies.append(
                         Candidate(
-                            event.event_id,
-                            key_bytes,
-                            self._dead_letter_topic,
-                            event.value,
-                            event.headers or [],
+                            event.event_id, key_bytes, self._dead_letter_topic, event.value, copied
                         )
                     )
         if self._dead_letter_topic is not None and candidates:

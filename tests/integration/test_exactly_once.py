@@ -272,3 +272,29 @@ def test_two_outboxes_on_one_topic_with_the_same_supplied_ids_are_told_apart(
     seen = collections.Counter((r.event_id, r.value["data"]["from"]) for r in records)
     assert set(seen.values()) == {1} and len(seen) == 2 * len(shared)
     assert [sample(h, "outbox_read_back_matched_total") for h in heirs] == [6, 6]
+
+
+def test_a_dead_letter_copy_sent_before_a_crash_is_not_made_again(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    topic, dlt = new_topic(partitions=2), new_topic(partitions=2, prefix="dlt")
+    ids = enqueue(engine, topic_outbox(), topic, keys=4, per_key=2)
+    # The first event of k0 cannot be sent: it is discarded with a dead-letter copy.
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE outbox SET value = 'not json'::bytea WHERE event_id = %(id)s", {"id": ids[0]}
+        )
+    relay_settings = settings(database_url, kafka_bootstrap, dead_letter_topic=dlt)
+    crash_after_send(relay_settings)
+    heir = Relay(relay_settings)
+    try:
+        assert heir.drain_all(timeout=30).complete
+    finally:
+        heir.close()
+    [copy] = consume_all(kafka_bootstrap, dlt, expected=1)
+    assert copy.event_id == ids[0]
+    copies = copies_by_id(consume_all(kafka_bootstrap, topic, expected=len(ids) - 1))
+    assert set(copies) == set(ids[1:]) and max(copies.values()) == 1
+    assert scalar(engine, "SELECT status FROM outbox WHERE event_id = :id", id=ids[0]) == (
+        "discarded"
+    )
