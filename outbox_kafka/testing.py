@@ -101,12 +101,27 @@ class _Key:
     claim_session: str | None = None
     #: The relay sessions that may have sent events of the key that are not recorded.
     doubt: list[str] = field(default_factory=list)
+    #: The last sequence number those sessions may have sent.
+    doubt_until: int | None = None
 
     def claim_ended_unrecorded(self) -> None:
-        """The key's claim ends without a record: its session joins the doubt."""
+        """The key's claim ends without a record: its session joins the doubt, up to
+        the key's last event written."""
         session = self.claim_session
-        if self.token is not None and session is not None and session not in self.doubt:
+        if self.token is None or session is None:
+            return
+        if session not in self.doubt:
             self.doubt.append(session)
+        self.doubt_until = max(self.doubt_until or 0, self.next_seq - 1, self.last_seq)
+
+    def record_doubt(self, next_seq: int, session: str, until: int | None) -> None:
+        """The doubt after a record that moves the key to ``next_seq``: it ends once
+        past ``doubt_until``; ``session`` joins it up to ``until`` (None: it does not)."""
+        if self.doubt_until is not None and next_seq > self.doubt_until:
+            self.doubt, self.doubt_until = [], None
+        if until is not None:
+            self.doubt = [s for s in self.doubt if s != session] + [session]
+            self.doubt_until = max(self.doubt_until or 0, until)
 
 
 class InMemoryStore:
@@ -353,21 +368,16 @@ class InMemoryStore:
     ) -> RecordResult:
         now = self._clock()
         owned = {k.key for k in keys if self._owns(k.key, token)}
-        if doubts is not None:
-            session = str(doubts.session)
-            for name in owned:
-                state = self._keys[name]
-                if name in doubts.resolved:
-                    state.doubt = []
-                if name in doubts.doubtful and session not in state.doubt:
-                    state.doubt.append(session)
-            if len(owned) == len(keys):
-                for (topic, partition), offset in doubts.floors.items():
-                    found = self._floors.get((session, topic, partition))
-                    if found is not None:
-                        floor, written = found
-                        raised = floor._replace(offset=max(floor.offset, offset))
-                        self._floors[(session, topic, partition)] = (raised, written)
+        if doubts is not None and len(owned) == len(keys):
+            for (topic, partition), offset in doubts.floors.items():
+                found = self._floors.get((str(doubts.session), topic, partition))
+                if found is not None:
+                    floor, written = found
+                    raised = floor._replace(offset=max(floor.offset, offset))
+                    self._floors[(str(doubts.session), topic, partition)] = (
+                        raised,
+                        written,
+                    )
         counts = {status: 0 for status in EventStatus}
         latencies: list[float] = []
         for outcome in events:
@@ -395,12 +405,18 @@ class InMemoryStore:
                 continue
             state = self._keys[key.key]
             state.token, state.lease_until = None, 0.0
+            state.record_doubt(
+                key.next_seq,
+                str(doubts.session) if doubts is not None else "",
+                doubts.doubtful.get(key.key) if doubts is not None else None,
+            )
             state.next_seq = key.next_seq
             state.due_at = now + key.delay if key.due_at is None else key.due_at
             state.parked = key.park
             if key.drained and not key.park and state.last_seq < key.next_seq:
                 # The queue row goes, and with it the key's doubt.
                 state.queued, state.doubt, state.claim_session = False, [], None
+                state.doubt_until = None
                 removed += 1
         return RecordResult(
             keys_owned=len(owned),

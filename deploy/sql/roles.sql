@@ -46,7 +46,7 @@ GRANT UPDATE (status, attempts, available_at, claim_token, delivered_at, kafka_p
 GRANT SELECT, INSERT (ordering_key, next_seq, due_at), DELETE
     ON :"schema".:"keys_table" TO :"relay_role";
 GRANT UPDATE (next_seq, due_at, claim_token, lease_expires_at, parked_at, claim_session,
-              doubt_sessions)
+              doubt_sessions, doubt_until_seq)
     ON :"schema".:"keys_table" TO :"relay_role";
 GRANT SELECT, DELETE, UPDATE (due_at) ON :"schema".:"arrivals_table" TO :"relay_role";
 -- record_batch locks a key's counter (SELECT ... FOR UPDATE) while it decides

@@ -173,11 +173,9 @@ class Doubts:
 
     #: The session the batch was sent in.
     session: uuid.UUID
-    #: Keys whose doubt the read-back settled: their doubtful sessions are cleared.
-    resolved: frozenset[str] = frozenset()
-    #: Keys with an event that may have reached Kafka without an acknowledgement:
-    #: the session joins their doubt.
-    doubtful: frozenset[str] = frozenset()
+    #: By key: the last sequence number of a key with an event that may have reached
+    #: Kafka without an acknowledgement. The session joins the key's doubt up to it.
+    doubtful: dict[str, int] = field(default_factory=dict)
     #: By (topic, partition): the offset just past the batch's last acknowledged
     #: message there, which the session's floor is raised to when the batch still
     #: owns every key.

@@ -395,9 +395,6 @@ class FoundOnKafka:
     deliveries: dict[str, Delivery] = field(default_factory=dict)
     #: By event id: dead-letter copies found on Kafka.
     copies: dict[str, Delivery] = field(default_factory=dict)
-    #: Keys whose doubt is settled: whatever the sessions in doubt sent of them is
-    #: found, or known not to be there.
-    resolved: set[str] = field(default_factory=set)
     #: Keys that wait, unsent, and why: what is on Kafka could not be proven.
     unproven: dict[str, str] = field(default_factory=dict)
     #: Seconds before an unproven key is tried again.

@@ -668,15 +668,13 @@ class Recovery:
         """Every key in doubt of ``claim`` unproven, for ``why``."""
         found = FoundOnKafka(retry_seconds=UNPROVEN_RETRY_SECONDS)
         doubtful = [k for k in claim.keys if k.doubt]
-        if self._resend_unproven:
-            found.resolved.update(k.key for k in doubtful)
-        else:
+        if not self._resend_unproven:
             found.unproven.update((k.key, why) for k in doubtful)
         self._observer.read_back(
             ReadBackReport(
                 keys=len(doubtful),
                 unproven=len(found.unproven),
-                resent_unproven=len(found.resolved),
+                resent_unproven=len(doubtful) - len(found.unproven),
                 why_unproven=why,
             )
         )
@@ -752,22 +750,14 @@ class Recovery:
             if unproven:
                 report.resent_unproven += 1
                 report.why_unproven = report.why_unproven or unproven[0]
-            missing = False
             for event in key.events:
                 on_topic = found.get(event.event_id)
                 if on_topic is not None:
                     recovered.deliveries[event.event_id] = _delivered(on_topic)
-                else:
-                    missing = True
                 if self._dead_letter_topic is not None:
                     copy = found_copies.get(event.event_id)
                     if copy is not None:
                         recovered.copies[event.event_id] = _delivered(copy)
-            # The sessions in doubt sent the key's events in order: one not found
-            # means none after it was sent either (by them). With all found, more
-            # may follow beyond this claim: the doubt stays for the next.
-            if missing or not key.events:
-                recovered.resolved.add(key.key)
         report.matched = len(recovered.deliveries) + len(recovered.copies)
         report.unproven = len(recovered.unproven)
         report.why_unproven = next(iter(recovered.unproven.values()), None)
@@ -780,12 +770,17 @@ class Recovery:
     def doubts(
         self,
         session: uuid.UUID,
-        resolved: set[str],
+        claim: Claim,
         handed: Sequence[tuple[Message, Delivery]],
     ) -> Doubts:
         """What a batch leaves in doubt (``handed``: every message handed to the
-        publisher, with its delivery), and how far the session's floors may rise."""
-        doubtful = frozenset(m.key.decode() for m, d in handed if d.in_doubt)
+        publisher, with its delivery), and how far the session's floors may rise.
+
+        A key with a message that may be on Kafka unacknowledged is in doubt about
+        the session up to the last of its events claimed (the doubt ends once the
+        key's next_seq has passed it)."""
+        keys = {m.key.decode() for m, d in handed if d.in_doubt}
+        doubtful = {k.key: k.events[-1].seq for k in claim.keys if k.key in keys and k.events}
         floors: dict[tuple[str, int], int] = {}
         if doubtful:
             self.close(session)
@@ -805,7 +800,7 @@ class Recovery:
                 # that lost its data, a topic made again): the floor proves nothing
                 # there any more, and a new session starts from the log's new end.
                 self.close(session)
-        return Doubts(session, frozenset(resolved), doubtful, floors)
+        return Doubts(session, doubtful, floors)
 
     def forget_floors(self, older_seconds: float = FLOOR_RETENTION_SECONDS) -> None:
         """Forget the floors of old sessions no key names any more."""

@@ -166,9 +166,7 @@ class BatchSender:
         handed = sum(1 for e in plan.events if results.deliveries[id(e)].sent)
         batch = SentBatch(keys=plan.idle_keys, sent=handed)
         if recovery is not None and claim.session is not None:
-            batch.doubts = recovery.doubts(
-                claim.session, found.resolved if found else set(), self._handed
-            )
+            batch.doubts = recovery.doubts(claim.session, claim, self._handed)
         for settled in settlements:
             batch.keys.append(settled.key)
             batch.events.extend(settled.events)

@@ -253,16 +253,16 @@ class Store:
         ``doubts``, also which keys are in doubt now and the session's raised floors."""
         delivered = [e for e in events if e.status == EventStatus.DELIVERED]
         others = [e for e in events if e.status != EventStatus.DELIVERED]
-        resolved = doubts.resolved if doubts is not None else frozenset()
-        doubtful = doubts.doubtful if doubts is not None else frozenset()
+        doubtful = doubts.doubtful if doubts is not None else {}
         floors = list(doubts.floors.items()) if doubts is not None else []
         params: dict[str, Any] = {
             "token": str(token),
             "session": None if doubts is None else str(doubts.session),
-            # Shorter arrays are padded with NULLs, which count as false: the
-            # common batch, with no doubt, sends none.
-            "key_resolved": pg_array([k.key in resolved for k in keys]) if resolved else "{}",
-            "key_doubtful": pg_array([k.key in doubtful for k in keys]) if doubtful else "{}",
+            # A shorter array is padded with NULLs (no new doubt): the common batch,
+            # with none, sends an empty one.
+            "key_doubt_until": (
+                pg_int_array([doubtful.get(k.key) for k in keys]) if doubtful else "{}"
+            ),
             "floor_topics": pg_text_array([topic for (topic, _), _ in floors]),
             "floor_partitions": pg_int_array([partition for (_, partition), _ in floors]),
             "floor_offsets": pg_int_array([offset for _, offset in floors]),

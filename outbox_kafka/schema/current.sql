@@ -59,6 +59,7 @@ CREATE TABLE public.outbox_keys (
     created_at timestamp with time zone NOT NULL DEFAULT now(),
     claim_session uuid,
     doubt_sessions uuid[],
+    doubt_until_seq bigint,
     CONSTRAINT outbox_keys_pkey PRIMARY KEY (ordering_key)
 );
 

@@ -115,6 +115,7 @@ def build_tables(names: TableNames | None = None, metadata: MetaData | None = No
         Column("created_at", DateTime(timezone=True), nullable=False, server_default=now),
         Column("claim_session", Uuid),
         Column("doubt_sessions", ARRAY(Uuid)),
+        Column("doubt_until_seq", BigInteger),
         Index(f"{names.keys}_due_idx", "due_at", postgresql_where=text("parked_at IS NULL")),
         schema=schema,
     )

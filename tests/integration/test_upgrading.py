@@ -50,8 +50,8 @@ def test_version_6_adds_its_columns_and_floors_without_rewriting_the_key_queue(
 
     assert _file_node(engine, "before_floors_keys") == keys_node
     after = rows(engine, "SELECT * FROM before_floors_keys ORDER BY ordering_key")
-    assert [tuple(r)[:-2] for r in after] == [tuple(r) for r in before]
-    assert [tuple(r)[-2:] for r in after] == [(None, None)] * 3
+    assert [tuple(r)[:-3] for r in after] == [tuple(r) for r in before]
+    assert [tuple(r)[-3:] for r in after] == [(None, None, None)] * 3
     assert scalar(engine, "SELECT count(*) FROM before_floors_keys WHERE claim_token = :t", t=token)
     assert scalar(engine, "SELECT count(*) FROM before_floors_floors") == 0
     assert scalar(engine, "SELECT count(*) FROM before_floors WHERE ordering_key = 'd'") == 1

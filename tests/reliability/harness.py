@@ -441,10 +441,15 @@ class Audit:
             f"not marked: {self.not_marked[:5]}\nwrong marks: {self.wrong_marks[:5]}"
         )
 
-    def assert_clean(self, *, marks: bool = True) -> None:
-        """Nothing lost, reordered, invented or half-recorded (duplicates are allowed)."""
+    def assert_clean(self, *, marks: bool = True, duplicates: bool = False) -> None:
+        """Nothing lost, sent twice, reordered, invented or half-recorded.
+
+        ``duplicates``: allowed where the relay is told to prefer at least once
+        (``--on-unproven send``) to waiting for what it cannot prove.
+        """
         problems = (
             self.lost
+            or (not duplicates and self.duplicated)
             or self.order_violations
             or self.inconsistent_copies
             or self.phantoms

@@ -189,6 +189,12 @@ SET claim_token = :token,
              OR k.claim_session = ANY(coalesce(k.doubt_sessions, '{}')) THEN k.doubt_sessions
         ELSE array_append(coalesce(k.doubt_sessions, '{}'), k.claim_session)
     END,
+    -- That session may have sent any event of the key written by now.
+    doubt_until_seq = CASE
+        WHEN k.claim_token IS NULL OR k.claim_session IS NULL THEN k.doubt_until_seq
+        ELSE GREATEST(k.doubt_until_seq, k.next_seq - 1,
+                      (SELECT s.last_seq FROM {seqs} s WHERE s.ordering_key = k.ordering_key))
+    END,
     lease_expires_at = now() + make_interval(secs => :lease_seconds),
     due_at = now() + make_interval(secs => :lease_seconds)
 FROM candidates c
@@ -294,10 +300,11 @@ ORDER BY ordering_key, seq;
 -- for none), at that time: a key handed back as it was claimed keeps its
 -- place in the queue.
 --
--- A key's doubt (see claim_keys): the sessions the read-back settled
--- (:key_resolved) leave it; the batch's own session (:session) joins it when
--- an event of the key may have reached Kafka without an acknowledgement
--- (:key_doubtful). When every key of the batch is still owned, the session's
+-- A key's doubt (see claim_keys) ends once its next_seq has passed
+-- doubt_until_seq: every event the sessions in doubt may have sent is
+-- settled, found on Kafka by the read-back or sent after it. The batch's own
+-- session (:session) joins the doubt, up to :key_doubt_until, when an event of
+-- the key may have reached Kafka without an acknowledgement. When every key of the batch is still owned, the session's
 -- floors are raised to just past the offsets this batch recorded
 -- (:floor_topics, :floor_partitions, :floor_offsets; the relay gives none
 -- when an outcome of the session may have been delivered unrecorded).
@@ -310,9 +317,8 @@ WITH batch_keys AS (
         CAST(:key_due_ats AS double precision[]),
         CAST(:key_parks AS boolean[]),
         CAST(:key_drained AS boolean[]),
-        CAST(:key_resolved AS boolean[]),
-        CAST(:key_doubtful AS boolean[])
-    ) AS v(ordering_key, next_seq, delay, due_at, park, drained, resolved, doubtful)
+        CAST(:key_doubt_until AS bigint[])
+    ) AS v(ordering_key, next_seq, delay, due_at, park, drained, doubt_until)
 ), removable AS (
     SELECT s.ordering_key
     FROM {seqs} s
@@ -333,12 +339,21 @@ WITH batch_keys AS (
         lease_expires_at = NULL,
         parked_at = CASE WHEN v.park THEN now() END,
         doubt_sessions = CASE
-            WHEN v.doubtful AND v.resolved THEN ARRAY[CAST(:session AS uuid)]
-            WHEN v.doubtful THEN array_append(
-                array_remove(coalesce(h.doubt_sessions, '{}'), CAST(:session AS uuid)),
+            WHEN v.doubt_until IS NOT NULL THEN array_append(
+                array_remove(
+                    CASE WHEN v.next_seq > h.doubt_until_seq THEN '{}'
+                         ELSE coalesce(h.doubt_sessions, '{}') END,
+                    CAST(:session AS uuid)),
                 CAST(:session AS uuid))
-            WHEN v.resolved THEN NULL
+            WHEN v.next_seq > h.doubt_until_seq THEN NULL
             ELSE h.doubt_sessions
+        END,
+        doubt_until_seq = CASE
+            WHEN v.doubt_until IS NOT NULL THEN GREATEST(
+                CASE WHEN v.next_seq > h.doubt_until_seq THEN NULL ELSE h.doubt_until_seq END,
+                v.doubt_until)
+            WHEN v.next_seq > h.doubt_until_seq THEN NULL
+            ELSE h.doubt_until_seq
         END
     FROM batch_keys v
     WHERE h.ordering_key = v.ordering_key
@@ -451,6 +466,11 @@ WITH picked AS (
                  OR h.claim_session = ANY(coalesce(h.doubt_sessions, '{}'))
                 THEN h.doubt_sessions
             ELSE array_append(coalesce(h.doubt_sessions, '{}'), h.claim_session)
+        END,
+        doubt_until_seq = CASE
+            WHEN h.claim_token IS NULL OR h.claim_session IS NULL THEN h.doubt_until_seq
+            ELSE GREATEST(h.doubt_until_seq, h.next_seq - 1,
+                          (SELECT s.last_seq FROM {seqs} s WHERE s.ordering_key = h.ordering_key))
         END,
         claim_token = NULL,
         lease_expires_at = NULL

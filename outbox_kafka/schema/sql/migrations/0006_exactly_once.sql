@@ -13,16 +13,19 @@
 --                   or an outcome that may have been delivered (a timeout).
 --                   Before a relay sends the key again it reads Kafka back
 --                   from those sessions' floors.
--- Both are nullable without a default, so adding them changes the catalog
+--   doubt_until_seq the last sequence number those sessions may have sent:
+--                   the doubt ends once the key's next_seq has passed it.
+-- All are nullable without a default, so adding them changes the catalog
 -- only, with no table rewrite. ADD COLUMN takes the key queue's ACCESS
 -- EXCLUSIVE lock until the migration commits: quick, but it first waits for
 -- the transactions that use the table, and relays and operator commands wait
 -- behind it for as long (producers never touch the key queue). No index:
--- both change on every claim and record, and an index would cost each of
+-- they change on every claim and record, and an index would cost each of
 -- them a new entry.
 ALTER TABLE {keys}
     ADD COLUMN claim_session uuid,
-    ADD COLUMN doubt_sessions uuid[];
+    ADD COLUMN doubt_sessions uuid[],
+    ADD COLUMN doubt_until_seq bigint;
 
 -- A relay session's floor per partition: no message of the session on that
 -- partition that is not recorded lies below floor_offset. The session writes
