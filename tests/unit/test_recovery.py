@@ -193,3 +193,32 @@ def test_a_lost_lease_keeps_the_sessions_floors_where_they_were() -> None:
     assert r.recovery.session() != session
     assert sample(r, "outbox_acknowledged_unrecorded_total") == 1
     assert on_log(publisher) == ids
+
+
+def test_a_requeue_below_what_a_dead_relay_sent_does_not_end_the_doubt_early() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 3)
+    # The first event is discarded; the key goes on.
+    refusing = StubPublisher(
+        lambda m: (
+            (Verdict.PERMANENT, "INVALID_RECORD: refused")
+            if m.event_id == ids[0]
+            else Verdict.UNSENT
+        )
+    )
+    first = relay(store, refusing, batch_size=1)
+    first.cycle()
+    assert [e.status for e in store.events("a")] == ["discarded", "pending", "pending"]
+    # A relay sends the other two and dies; an operator requeues the first meanwhile.
+    publisher = StubPublisher()
+    dead_relay_sent(store, publisher, clock, 2)
+    assert store.requeue([ids[0]]) == 1
+    # One event per claim: the requeued one is not on Kafka, the two after it are.
+    heir = relay(store, publisher, batch_size=1)
+    for _ in range(4):
+        heir.cycle()
+        clock.now += 10
+    assert [e.status for e in store.events("a")] == ["delivered"] * 3
+    assert sorted(on_log(publisher)) == sorted(ids)
+    assert store.doubt("a") == []
