@@ -517,6 +517,10 @@ SESSION_SECONDS = 24 * 3600.0
 #: The floors of a session are kept this long at least (and while a key names it).
 FLOOR_RETENTION_SECONDS = 2 * SESSION_SECONDS
 
+#: How many of the latest sessions a relay keeps in memory (their batches may still
+#: be in flight or being recorded).
+_SESSIONS_KEPT = 8
+
 #: Time kept between the end of a read-back and the lease's last moment to send.
 READ_BACK_MARGIN = 0.5
 
@@ -582,8 +586,9 @@ class Recovery:
                 current.closed = True
                 current = self._current = Session(self._clock())
                 self._sessions[current.id] = current
-                # Batches of sessions before the last two are recorded by now.
-                for old in list(self._sessions)[:-3]:
+                # A batch in flight belongs to one of the last sessions at most (its
+                # claim was read ahead by one cycle): older ones are let go.
+                for old in list(self._sessions)[:-_SESSIONS_KEPT]:
                     del self._sessions[old]
             return current.id
 
