@@ -223,24 +223,45 @@ class PartitionReader:
         deadline = time.monotonic() + timeout
         ends: dict[int, int] = {}
         for partition in partitions:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ReadBackError(
-                    f"timed out after {timeout:g} s reading the end offsets of {topic!r}"
-                )
-            try:
-                _low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=left, cached=False
-                )
-            except KafkaException as exc:
-                raise ReadBackError(
-                    f"cannot read the end offset of {topic!r} partition {partition}: "
-                    f"{_describe(exc)}"
-                ) from None
-            except RuntimeError as exc:  # the consumer was closed under us
-                raise ReadBackError(f"cannot read end offsets: {exc}") from None
-            ends[partition] = high
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReadBackError(
+                        f"timed out after {timeout:g} s reading the end offsets of {topic!r}"
+                    )
+                try:
+                    _low, high = consumer.get_watermark_offsets(
+                        TopicPartition(topic, partition), timeout=left, cached=False
+                    )
+                except KafkaException as exc:
+                    err = exc.args[0] if exc.args else None
+                    if isinstance(err, KafkaError) and err.code() == KafkaError._UNKNOWN_PARTITION:
+                        # A topic new to this consumer: its metadata comes first.
+                        self._load_metadata(consumer, topic, deadline)
+                        continue
+                    raise ReadBackError(
+                        f"cannot read the end offset of {topic!r} partition {partition}: "
+                        f"{_describe(exc)}"
+                    ) from None
+                except RuntimeError as exc:  # the consumer was closed under us
+                    raise ReadBackError(f"cannot read end offsets: {exc}") from None
+                ends[partition] = high
+                break
         return ends
+
+    @staticmethod
+    def _load_metadata(consumer: Consumer, topic: str, deadline: float) -> None:
+        """Ask for ``topic``'s metadata, so that the consumer knows its partitions;
+        a short pause when it is not listed yet."""
+        try:
+            listed = consumer.list_topics(topic, timeout=max(0.01, deadline - time.monotonic()))
+        except KafkaException as exc:
+            raise ReadBackError(
+                f"cannot read the metadata of {topic!r}: {_describe(exc)}"
+            ) from None
+        meta = listed.topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def read(
         self,

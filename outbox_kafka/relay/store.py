@@ -48,6 +48,15 @@ _ADMIT_PASSES = 4
 _NOT_UTF8_TEXT = frozenset({"22021", "22P05"})
 
 
+def _in_doubt(sessions: Sequence[str] | None, unrecorded: str | None) -> tuple[str, ...]:
+    """A claimed key's doubtful sessions: those it had, and the session of a claim of
+    it that was never recorded (see doubt_keys in queries.sql)."""
+    doubt = tuple(sessions or ())
+    if unrecorded is not None and unrecorded not in doubt:
+        doubt += (unrecorded,)
+    return doubt
+
+
 class _ValueNotText(Exception):
     """A claimed value could not be read as UTF-8 text."""
 
@@ -221,6 +230,20 @@ class Store:
             leased = cur.fetchall()
             if not leased:
                 return [], as_text, params["batch_size"], {}
+            cur.execute(
+                self._q.driver_sql("lease_keys"),
+                {**params, "key_names": pg_text_array([row[0] for row in leased])},
+            )
+            unrecorded = [(row[0], row[4]) for row in leased if row[4] is not None]
+            if unrecorded:
+                # Claimed before and never recorded: in doubt about that claim's session.
+                cur.execute(
+                    self._q.driver_sql("doubt_keys"),
+                    {
+                        "key_names": pg_text_array([key for key, _ in unrecorded]),
+                        "key_sessions": pg_array([session for _, session in unrecorded]),
+                    },
+                )
             per_key = max(1, params["batch_size"] // len(leased))
             try:
                 cur.execute(
@@ -239,7 +262,9 @@ class Store:
                 if as_text and exc.pgcode in _NOT_UTF8_TEXT:
                     raise _ValueNotText from exc
                 raise
-            by_key = {key: (due, tuple(doubt or ())) for key, _, due, doubt in leased}
+            by_key = {
+                key: (due, _in_doubt(doubt, session)) for key, _, due, doubt, session in leased
+            }
             return cur.fetchall(), as_text, per_key, by_key
 
     def record(

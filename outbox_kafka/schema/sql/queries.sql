@@ -153,8 +153,8 @@ WITH picked AS (
 SELECT count(*) AS moved, max(ordering_key) AS last_key FROM moved;
 
 -- name: claim_keys
--- Claims up to :max_keys due keys (skipping keys another relay is claiming)
--- and leases them for :lease_seconds; returns each key with its next_seq and
+-- Locks up to :max_keys due keys (skipping keys another relay is claiming),
+-- which lease_keys then leases; returns each key with its next_seq and
 -- the due time it had before this claim (seconds since the epoch): its place
 -- in the queue, which claim_events shares the byte budget out by and which
 -- a key the budget left out gets back when it is recorded. Keys due at the
@@ -169,40 +169,48 @@ SELECT count(*) AS moved, max(ordering_key) AS last_key FROM moved;
 -- held, so it sees every change committed to these keys.
 --
 -- A key whose claim token is still set was claimed and never recorded: the
--- relay session that claimed it (claim_session) may have sent its events, so
--- that session joins the key's doubt_sessions, which come back with the key:
--- the relay reads Kafka back from those sessions' floors before it sends the
--- key again (see record_batch for how a doubt ends).
-WITH candidates AS (
-    SELECT ordering_key, due_at
-    FROM {keys}
-    WHERE due_at <= now() AND parked_at IS NULL
-    ORDER BY due_at
-    LIMIT :max_keys
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE {keys} k
+-- relay session that claimed it (claim_session) may have sent its events.
+-- Such keys come back with that session (unrecorded_session), and doubt_keys,
+-- in the same transaction, puts them in doubt; each key comes back with the
+-- sessions it was in doubt about already (doubt_sessions).
+--
+-- Two statements, not one UPDATE joined to its candidates: with the key
+-- queue's statistics taken while it was nearly empty, the planner joined them
+-- by nested loop over a scan of the whole queue, seconds for a thousand keys.
+SELECT ordering_key, next_seq, CAST(EXTRACT(EPOCH FROM due_at) AS double precision),
+       CAST(doubt_sessions AS text[]),
+       CASE WHEN claim_token IS NOT NULL THEN CAST(claim_session AS text) END
+FROM {keys}
+WHERE due_at <= now() AND parked_at IS NULL
+ORDER BY due_at
+LIMIT :max_keys
+FOR UPDATE SKIP LOCKED;
+
+-- name: lease_keys
+-- Leases the keys claim_keys has just locked (:key_names) to the claim
+-- (:token) of the relay session :session for :lease_seconds.
+UPDATE {keys}
 SET claim_token = :token,
     claim_session = CAST(:session AS uuid),
-    doubt_sessions = CASE
-        WHEN k.claim_token IS NULL OR k.claim_session IS NULL
-             OR k.claim_session = ANY(coalesce(k.doubt_sessions, '{}')) THEN k.doubt_sessions
-        ELSE array_append(coalesce(k.doubt_sessions, '{}'), k.claim_session)
-    END,
-    -- That session may have sent any event of the key written by now.
-    doubt_until_seq = CASE
-        WHEN k.claim_token IS NULL OR k.claim_session IS NULL THEN k.doubt_until_seq
-        ELSE GREATEST(k.doubt_until_seq, k.next_seq - 1,
-                      (SELECT s.last_seq FROM {seqs} s WHERE s.ordering_key = k.ordering_key))
-    END,
     lease_expires_at = now() + make_interval(secs => :lease_seconds),
     due_at = now() + make_interval(secs => :lease_seconds)
-FROM candidates c
-WHERE k.ordering_key = c.ordering_key
-  -- The array keeps the key lookups on the primary key's index.
-  AND k.ordering_key = ANY(ARRAY(SELECT ordering_key FROM candidates))
-RETURNING k.ordering_key, k.next_seq, CAST(EXTRACT(EPOCH FROM c.due_at) AS double precision),
-          CAST(k.doubt_sessions AS text[]);
+WHERE ordering_key = ANY(CAST(:key_names AS text[]));
+
+-- name: doubt_keys
+-- The keys claim_keys found claimed and never recorded (:key_names, each with
+-- the session of that claim, :key_sessions): the session joins the key's
+-- doubt_sessions, and may have sent any event of the key written by now
+-- (doubt_until_seq). Run in the claim's transaction, on keys it has locked.
+UPDATE {keys} k
+SET doubt_sessions = CASE
+        WHEN d.session = ANY(coalesce(k.doubt_sessions, '{}')) THEN k.doubt_sessions
+        ELSE array_append(coalesce(k.doubt_sessions, '{}'), d.session)
+    END,
+    doubt_until_seq = GREATEST(
+        k.doubt_until_seq, k.next_seq - 1,
+        (SELECT s.last_seq FROM {seqs} s WHERE s.ordering_key = k.ordering_key))
+FROM unnest(CAST(:key_names AS text[]), CAST(:key_sessions AS uuid[])) AS d(ordering_key, session)
+WHERE k.ordering_key = d.ordering_key;
 
 -- name: claim_events
 -- The next pending events of the keys claim_keys has just leased
