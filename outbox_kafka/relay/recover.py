@@ -227,7 +227,8 @@ class PartitionReader:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ReadBackError(
-                        f"timed out after {timeout:g} s reading the end offsets of {topic!r}"
+                        f"timed out after {timeout:g} s reading the end offset of {topic!r} "
+                        f"partition {partition}"
                     )
                 try:
                     _low, high = consumer.get_watermark_offsets(
@@ -237,8 +238,9 @@ class PartitionReader:
                     err = exc.args[0] if exc.args else None
                     if isinstance(err, KafkaError) and err.code() == KafkaError._UNKNOWN_PARTITION:
                         # A topic new to this consumer: its metadata comes first.
-                        self._load_metadata(consumer, topic, deadline)
-                        continue
+                        listed = self._load_metadata(consumer, topic, deadline)
+                        if listed is None or partition in listed:
+                            continue
                     raise ReadBackError(
                         f"cannot read the end offset of {topic!r} partition {partition}: "
                         f"{_describe(exc)}"
@@ -250,9 +252,9 @@ class PartitionReader:
         return ends
 
     @staticmethod
-    def _load_metadata(consumer: Consumer, topic: str, deadline: float) -> None:
-        """Ask for ``topic``'s metadata, so that the consumer knows its partitions;
-        a short pause when it is not listed yet."""
+    def _load_metadata(consumer: Consumer, topic: str, deadline: float) -> set[int] | None:
+        """Ask for ``topic``'s metadata, so that the consumer knows its partitions, and
+        return them; None (after a short pause) when the topic is not listed yet."""
         try:
             listed = consumer.list_topics(topic, timeout=max(0.01, deadline - time.monotonic()))
         except KafkaException as exc:
@@ -262,6 +264,8 @@ class PartitionReader:
         meta = listed.topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            return None
+        return set(meta.partitions)
 
     def read(
         self,
