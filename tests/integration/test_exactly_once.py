@@ -85,6 +85,17 @@ def crash_after_send(relay_settings: RelaySettings) -> None:
     dying.abandon()
 
 
+def heir_drains(relay_settings: RelaySettings) -> Relay:
+    """A relay that takes the dead one's keys over and publishes everything (closed)."""
+    heir = Relay(relay_settings)
+    try:
+        result = heir.drain_all(timeout=30)
+    finally:
+        heir.close()
+    assert result.complete, result.summary()
+    return heir
+
+
 def sample(relay: Relay, name: str) -> float:
     value = relay.metrics.registry.get_sample_value(name)
     return 0.0 if value is None else value
@@ -137,11 +148,7 @@ def test_a_claim_that_died_before_its_send_is_read_back_and_sent_once(
         store.claim(batch_size=100, lease_seconds=4.0, session=uuid.uuid4())
     finally:
         store.close()
-    heir = Relay(relay_settings)
-    try:
-        assert heir.drain_all(timeout=30).complete
-    finally:
-        heir.close()
+    heir = heir_drains(relay_settings)
     copies = copies_by_id(consume_all(kafka_bootstrap, topic, expected=len(ids)))
     assert set(copies) == set(ids) and max(copies.values()) == 1
     assert sample(heir, "outbox_read_back_matched_total") == 0
@@ -156,11 +163,7 @@ def test_events_written_after_the_crash_are_sent_after_those_found_on_kafka(
     relay_settings = settings(database_url, kafka_bootstrap)
     crash_after_send(relay_settings)
     later = enqueue(engine, outbox, topic, keys=3, per_key=2)
-    heir = Relay(relay_settings)
-    try:
-        assert heir.drain_all(timeout=30).complete
-    finally:
-        heir.close()
+    heir_drains(relay_settings)
     records = consume_all(kafka_bootstrap, topic, expected=len(first) + len(later))
     assert [r.event_id for r in records if r.event_id in first] == first_by_key_order(
         records, first
@@ -227,11 +230,7 @@ def test_binary_mode_and_an_id_header_are_read_back_too(
     ids = enqueue(engine, outbox, topic, keys=6, per_key=2)
     relay_settings = settings(database_url, kafka_bootstrap)
     crash_after_send(relay_settings)
-    heir = Relay(relay_settings)
-    try:
-        assert heir.drain_all(timeout=30).complete
-    finally:
-        heir.close()
+    heir = heir_drains(relay_settings)
     copies = copies_by_id(consume_all(kafka_bootstrap, topic, expected=len(ids)))
     assert set(copies) == set(ids) and max(copies.values()) == 1
     assert sample(heir, "outbox_read_back_matched_total") == len(ids)
@@ -286,11 +285,7 @@ def test_a_dead_letter_copy_sent_before_a_crash_is_not_made_again(
         )
     relay_settings = settings(database_url, kafka_bootstrap, dead_letter_topic=dlt)
     crash_after_send(relay_settings)
-    heir = Relay(relay_settings)
-    try:
-        assert heir.drain_all(timeout=30).complete
-    finally:
-        heir.close()
+    heir_drains(relay_settings)
     [copy] = consume_all(kafka_bootstrap, dlt, expected=1)
     assert copy.event_id == ids[0]
     copies = copies_by_id(consume_all(kafka_bootstrap, topic, expected=len(ids) - 1))
