@@ -55,7 +55,13 @@ def produce(
         return on_delivery
 
     for i, (key, value, headers) in enumerate(messages):
-        producer.produce(topic, value, key, headers=headers, on_delivery=report(i, key, value))
+        producer.produce(
+            topic,
+            value,
+            key,
+            headers=list[tuple[str, str | bytes | None]](headers),
+            on_delivery=report(i, key, value),
+        )
         producer.poll(0)
     assert producer.flush(30) == 0
     assert errors == []

@@ -10,12 +10,16 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
-from confluent_kafka.admin import ClusterMetadata, PartitionMetadata, TopicMetadata
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    ClusterMetadata,
+    PartitionMetadata,
+    TopicMetadata,
+)
 
 from outbox_kafka.errors import ConfigurationError
+from outbox_kafka.relay.ports import Found
 from outbox_kafka.relay.recover import (
     Candidate,
-    Found,
     PartitionCache,
     PartitionReader,
     ReadBackError,
