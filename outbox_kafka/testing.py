@@ -521,8 +521,11 @@ class InMemoryStore:
             for state in self._keys.values()
             if state.token is not None and state.claim_session is not None
         )
-        for place, (floor, written) in list(self._floors.items()):
-            if now - written > older_seconds and floor.session not in named:
+        # As forget_floors: a session is as old as its first floor, and all its
+        # floors go together.
+        old = {f.session for f, written in self._floors.values() if now - written > older_seconds}
+        for place, (floor, _) in list(self._floors.items()):
+            if floor.session in old and floor.session not in named:
                 del self._floors[place]
 
     def floors(self) -> list[Floor]:

@@ -3,13 +3,14 @@ fresh PostgreSQL database and `InMemoryStore`.
 
 Each comes as a :class:`StoreUnderTest`: the store itself (used through its port
 only), a way to write events into it as a producer does, to act on it as an
-operator does (requeue, unpark), to read its events' rows back, and to let time
-pass. On PostgreSQL time passes by moving every stored time back (nothing
+operator does (requeue, unpark), to read its events' rows and its keys' doubt
+back, and to let time pass. On PostgreSQL time passes by moving every stored time back (nothing
 sleeps); in memory the store's clock moves on.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,6 +74,11 @@ class StoreUnderTest(Protocol):
 
     def parked_keys(self) -> list[str]: ...
 
+    def doubt(self, key: str) -> list[str]:
+        """The relay sessions ``key`` is in doubt about, in the order they joined
+        (empty: none, or no such key in the queue)."""
+        ...
+
     def requeue(self, event_ids: Sequence[str]) -> int: ...
 
     def unpark(self, keys: Sequence[str]) -> int: ...
@@ -99,9 +105,14 @@ def claim(
     lease_seconds: float = 30.0,
     max_keys: int | None = None,
     max_bytes: int = 1 << 20,
+    session: uuid.UUID | None = None,
 ) -> Claim:
     return store.claim(
-        batch_size=batch_size, lease_seconds=lease_seconds, max_keys=max_keys, max_bytes=max_bytes
+        batch_size=batch_size,
+        lease_seconds=lease_seconds,
+        max_keys=max_keys,
+        max_bytes=max_bytes,
+        session=session,
     )
 
 
@@ -145,6 +156,17 @@ class PostgresStore:
                 )
             )
             return list(found.scalars())
+
+    def doubt(self, key: str) -> list[str]:
+        with self.engine.connect() as conn:
+            found = conn.execute(
+                sa.text(
+                    "SELECT CAST(doubt_sessions AS text[]) FROM outbox_keys"
+                    " WHERE ordering_key = :key"
+                ),
+                {"key": key},
+            ).scalar()
+            return list(found or [])
 
     def requeue(self, event_ids: Sequence[str]) -> int:
         return requeue_events(self.engine, event_ids)
@@ -191,6 +213,9 @@ class MemoryStore:
 
     def parked_keys(self) -> list[str]:
         return self.store.parked_keys()
+
+    def doubt(self, key: str) -> list[str]:
+        return self.store.doubt(key)
 
     def requeue(self, event_ids: Sequence[str]) -> int:
         return self.store.requeue(event_ids)
