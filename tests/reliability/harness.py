@@ -55,6 +55,11 @@ class Writer:
     A transaction whose commit failed is retried with new events; its ids are
     kept as *uncertain* (a lost connection during COMMIT may or may not have
     committed) for :func:`check_atomic`.
+
+    ``places``: note each event's place in its key's commit order in
+    :attr:`places` (see :func:`take_commit_places`; the ``writer_commit_order``
+    table must exist), for an audit that orders by commit, not by sequence
+    number (retention restarts a key's numbers).
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class Writer:
         rate: float,
         chunk: int = 20,
         outbox: Outbox | None = None,
+        places: bool = False,
     ) -> None:
         self.engine = engine
         self.topic = topic
@@ -76,6 +82,9 @@ class Writer:
         self.chunk = chunk
         self.outbox = outbox or Outbox(allow_unknown_types=True)
         self.committed: list[str] = []
+        #: With ``places``: each committed event's place in its key's commit order.
+        self.places: dict[str, int] = {}
+        self.take_places = places
         self.uncertain: list[list[str]] = []
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -102,8 +111,11 @@ class Writer:
                 count = min(self.chunk, self.total - len(self.committed))
                 events = self._events(count)
                 ids: list[str] = []
+                places: list[int] = []
                 try:
                     with self.engine.begin() as conn:
+                        if self.take_places:
+                            places = take_commit_places(conn, [e.key for e in events])
                         ids = [str(i) for i in self.outbox.enqueue_many(conn, events)]
                 except sa.exc.DBAPIError as exc:
                     # Connection lost or server gone: the commit may or may not have
@@ -114,6 +126,7 @@ class Writer:
                     self._stop.wait(0.2)
                     continue
                 self.committed.extend(ids)
+                self.places.update(zip(ids, places, strict=False))
                 # Pace: where the writer should be after this many events.
                 due = started + len(self.committed) / self.rate
                 self._stop.wait(max(0.0, due - time.monotonic()))
@@ -200,10 +213,16 @@ class RelayProcess:
             )
         return self
 
-    def kill(self) -> None:
-        """SIGKILL: no flush, no record, no goodbye."""
+    def kill(self, *, wait: bool = True) -> None:
+        """SIGKILL: no flush, no record, no goodbye. ``wait=False``: the signal only
+        (several relays killed within milliseconds); :meth:`wait_killed` then."""
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
+        if wait:
+            self.wait_killed()
+
+    def wait_killed(self) -> None:
+        assert self.process is not None
         code = self.process.wait(30)
         assert code == -signal.SIGKILL, f"relay exited {code} before it was killed"
 
@@ -256,6 +275,23 @@ class RelayProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def actions(self, action: str, *, since: int = 0) -> list[dict[str, Any]]:
+        """The log records with ``action`` (a relay started with ``--log-format json``),
+        from character ``since`` of :meth:`log` on."""
+        return log_actions(self.log()[since:], action)
+
+
+def log_actions(text: str, action: str) -> list[dict[str, Any]]:
+    """The JSON log records (``--log-format json``) of ``text`` whose action is ``action``."""
+    found = []
+    for line in text.splitlines():
+        if f'"action": "{action}"' not in line:
+            continue
+        body = json_body(line)
+        if body.get("action") == action:
+            found.append(body)
+    return found
 
 
 class ReadinessWatch:
@@ -473,15 +509,48 @@ class Audit:
         )
 
 
-def audit(engine: sa.Engine, generations: Sequence[Sequence[Record]]) -> Audit:
-    """Compare every committed event with what Kafka holds (all generations, in order)."""
+#: Rows retention deletes are kept in ``outbox_purged`` (see :func:`keep_purged`).
+KEEP_PURGED = [
+    "CREATE TABLE outbox_purged (LIKE outbox)",
+    "CREATE FUNCTION outbox_keep_purged() RETURNS trigger LANGUAGE plpgsql AS $$ "
+    "BEGIN INSERT INTO outbox_purged SELECT OLD.*; RETURN OLD; END $$",
+    "CREATE TRIGGER outbox_keep_purged AFTER DELETE ON outbox "
+    "FOR EACH ROW EXECUTE FUNCTION outbox_keep_purged()",
+]
+
+
+def keep_purged(engine: sa.Engine) -> None:
+    """Keep every row retention deletes from ``outbox`` in ``outbox_purged``, so that
+    ``audit(..., purged=True)`` still sees purged events."""
+    with engine.begin() as conn:
+        for statement in KEEP_PURGED:
+            conn.exec_driver_sql(statement)
+
+
+def audit(
+    engine: sa.Engine,
+    generations: Sequence[Sequence[Record]],
+    *,
+    purged: bool = False,
+    places: Mapping[str, int] | None = None,
+    discarded: bool = False,
+) -> Audit:
+    """Compare every committed event with what Kafka holds (all generations, in order).
+
+    ``purged``: the events retention deleted count too (kept by :func:`keep_purged`).
+    ``places``: each event's place in its key's commit order (``Writer(places=True)``):
+    the order is checked by those, not by sequence numbers, which restart when
+    retention deletes a key's counter. ``discarded``: discarded events are expected
+    off the topic (neither lost nor unmarked; one found there is unmarked).
+    """
+    columns = (
+        "CAST(event_id AS text), ordering_key, seq, status, kafka_partition, kafka_offset, value"
+    )
+    source = f"SELECT {columns} FROM outbox"
+    if purged:
+        source += f" UNION ALL SELECT {columns} FROM outbox_purged"
     with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "SELECT CAST(event_id AS text), ordering_key, seq, status, kafka_partition, "
-                "kafka_offset, value FROM outbox ORDER BY ordering_key, seq"
-            )
-        ).all()
+        rows = conn.execute(sa.text(f"{source} ORDER BY 2, 3")).all()
     events = {r[0]: r for r in rows}
     statuses: dict[str, int] = defaultdict(int)
     for event in rows:
@@ -517,13 +586,24 @@ def audit(engine: sa.Engine, generations: Sequence[Sequence[Record]]) -> Audit:
                 break
 
     violations = []
-    for key, seqs in first_seen.items():
-        for before, after in itertools.pairwise(seqs):
-            if after <= before:
-                violations.append(f"{key}: seq {after} after {before}")
+    if places is not None:
+        violations = commit_order_violations(
+            [(rec.event_id, rec.key or "") for rec in ordered if rec.event_id in events],
+            places,
+        )
+    else:
+        for key, seqs in first_seen.items():
+            for before, after in itertools.pairwise(seqs):
+                if after <= before:
+                    violations.append(f"{key}: seq {after} after {before}")
 
-    lost = [i for i in events if i not in copies]
-    not_marked = [i for i, r in events.items() if r[3] != "delivered"]
+    expected_off = {i for i, r in events.items() if discarded and r[3] == "discarded"}
+    lost = [i for i in events if i not in copies and i not in expected_off]
+    not_marked = [
+        i
+        for i, r in events.items()
+        if r[3] != "delivered" and (i not in expected_off or i in copies)
+    ]
     wrong_marks = [
         i
         for i, r in events.items()
@@ -617,10 +697,16 @@ def take_commit_places(conn: sa.Connection, keys: Sequence[str]) -> list[int]:
     return places[::-1]
 
 
-def check_writer(engine: sa.Engine, writer: Writer) -> None:
-    """Every commit the writer saw succeed is in the outbox; every uncertain one whole or absent."""
+def check_writer(engine: sa.Engine, writer: Writer, *, purged: bool = False) -> None:
+    """Every commit the writer saw succeed is in the outbox; every uncertain one whole or absent.
+
+    ``purged``: the events retention deleted count too (kept by :func:`keep_purged`).
+    """
+    source = "SELECT CAST(event_id AS text) FROM outbox"
+    if purged:
+        source += " UNION ALL SELECT CAST(event_id AS text) FROM outbox_purged"
     with engine.connect() as conn:
-        present = set(conn.execute(sa.text("SELECT CAST(event_id AS text) FROM outbox")).scalars())
+        present = set(conn.execute(sa.text(source)).scalars())
     missing = [i for i in writer.committed if i not in present]
     assert not missing, f"{len(missing)} committed events are not in the outbox: {missing[:3]}"
     for ids in writer.uncertain:
