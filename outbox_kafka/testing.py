@@ -663,13 +663,18 @@ class StubReader:
     :class:`~outbox_kafka.relay.recover.PartitionReader` reads Kafka.
 
     ``unproven``: partitions it reports as not read to their end (and why), as a
-    read past its deadline would."""
+    read past its deadline would. ``compacted``: topics it reports as compacted."""
 
     def __init__(
-        self, publisher: StubPublisher, unproven: Mapping[tuple[str, int], str] | None = None
+        self,
+        publisher: StubPublisher,
+        unproven: Mapping[tuple[str, int], str] | None = None,
+        *,
+        compacted: Collection[str] = (),
     ) -> None:
         self.publisher = publisher
         self.unproven = dict(unproven or {})
+        self.compacted_topics = set(compacted)
         #: Every read asked for: its start offsets.
         self.reads: list[dict[tuple[str, int], int]] = []
 
@@ -706,6 +711,9 @@ class StubReader:
             back.complete.add((topic, partition))
             back.ends[(topic, partition)] = len(log)
         return back
+
+    def compacted(self, topic: str, timeout: float) -> bool | None:
+        return topic in self.compacted_topics
 
     def close(self) -> None:
         pass

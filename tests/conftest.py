@@ -112,12 +112,13 @@ def kafka_bootstrap(work_dir: Path) -> Iterator[str]:
 
 @pytest.fixture
 def new_topic(kafka_bootstrap: str) -> Callable[..., str]:
-    """Create a uniquely named topic: ``new_topic(partitions=4)``."""
+    """Create a uniquely named topic: ``new_topic(partitions=4)``, with topic settings
+    in ``config`` (``{"cleanup.policy": "compact"}``)."""
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
 
-    def create(partitions: int = 4, prefix: str = "t") -> str:
+    def create(partitions: int = 4, prefix: str = "t", config: dict[str, str] | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        futures = admin.create_topics([NewTopic(name, partitions, 1)])
+        futures = admin.create_topics([NewTopic(name, partitions, 1, config=config or {})])
         for future in futures.values():
             future.result(timeout=30)
         return name

@@ -212,6 +212,9 @@ class ReadBackReport:
     resent_unproven: int = 0
     #: Why the first unproven key could not be proven.
     why_unproven: str | None = None
+    #: Keys sent again without a read-back: a topic of theirs is compacted, where
+    #: what is missing proves nothing (at least once for them).
+    compacted: int = 0
     seconds: float = 0.0
 
 

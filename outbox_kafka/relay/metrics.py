@@ -170,6 +170,12 @@ class RelayMetrics(RelayObserver):
             "Keys in doubt sent although unproven (--on-unproven send: at least once).",
             registry=r,
         )
+        self.read_back_compacted = Counter(
+            "outbox_read_back_compacted",
+            "Keys in doubt sent again without a read-back because a topic of theirs is "
+            "compacted, where what is missing proves nothing (at least once).",
+            registry=r,
+        )
         self.read_back_seconds = Histogram(
             "outbox_read_back_seconds",
             "Time to read Kafka back for a claim's keys in doubt.",
@@ -330,6 +336,7 @@ class RelayMetrics(RelayObserver):
         self.read_back_matched.inc(report.matched)
         self.read_back_unproven.inc(report.unproven)
         self.read_back_resent.inc(report.resent_unproven)
+        self.read_back_compacted.inc(report.compacted)
         self.read_back_seconds.observe(report.seconds)
 
     def acknowledged_unrecorded(self, events: int) -> None:

@@ -369,9 +369,16 @@ class LogObserver(RelayObserver):
             "unproven": report.unproven,
             "sent_unproven": report.resent_unproven,
             "why_unproven": report.why_unproven,
+            "compacted": report.compacted,
             "seconds": round(report.seconds, 3),
         }
-        if report.unproven:
+        if report.compacted:
+            log.warning(
+                "keys in doubt on a compacted topic are sent again without a read-back "
+                "(at least once for them)",
+                extra=extra,
+            )
+        elif report.unproven:
             log.warning("read Kafka back for keys in doubt; some could not be proven", extra=extra)
         else:
             log.info("read Kafka back for keys in doubt", extra=extra)

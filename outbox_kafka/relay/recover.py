@@ -13,6 +13,9 @@ began writing (its floor) to the end, finds which of the events are there
   bounded by a deadline; a partition it could not read to the end is *unproven*,
   with the reason, never silently skipped.
 - :func:`matches` pairs the messages read with the events in doubt.
+- A compacted topic proves nothing by what it lacks (compaction deletes a key's
+  older messages), so keys on one are sent again without a read-back: at least
+  once, counted (:meth:`PartitionReader.compacted`).
 
 Nothing from confluent_kafka leaves this module: its errors become
 :class:`ReadBackError` or an unproven partition.
@@ -29,6 +32,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from outbox_kafka.errors import ConfigurationError, OutboxError
 from outbox_kafka.logs import librdkafka_logger
@@ -194,10 +198,15 @@ class PartitionReader:
         config: Mapping[str, Any],
         *,
         make_consumer: Callable[[dict[str, Any]], Consumer] = Consumer,
+        make_admin: Callable[[dict[str, Any]], Any] = AdminClient,
     ) -> None:
         self._config = dict(config)
         self._make_consumer = make_consumer
+        self._make_admin = make_admin
         self._consumer: Consumer | None = None
+        self._admin: Any = None
+        #: By topic: whether it is compacted, and when that was asked (monotonic).
+        self._compaction: dict[str, tuple[bool | None, float]] = {}
 
     def _client(self) -> Consumer:
         if self._consumer is None:
@@ -433,6 +442,40 @@ class PartitionReader:
             result.unproven[tp] = reason
         pending.clear()
 
+    def compacted(self, topic: str, timeout: float) -> bool | None:
+        """Whether ``topic``'s ``cleanup.policy`` includes ``compact``; None when the
+        broker does not say within ``timeout`` seconds (no DescribeConfigs right, a
+        broker that does not answer it). Each answer is kept
+        :data:`COMPACTION_CHECK_SECONDS`."""
+        now = time.monotonic()
+        cached = self._compaction.get(topic)
+        if cached is not None and now - cached[1] < COMPACTION_CHECK_SECONDS:
+            return cached[0]
+        answer = self._cleanup_policy(topic, timeout)
+        self._compaction[topic] = (
+            None if answer is None else "compact" in answer.replace(" ", "").split(","),
+            now,
+        )
+        return self._compaction[topic][0]
+
+    def _cleanup_policy(self, topic: str, timeout: float) -> str | None:
+        wait = max(0.1, timeout)
+        try:
+            if self._admin is None:
+                config = {str(k): v for k, v in self._config.items()}
+                config["logger"] = librdkafka_logger()
+                self._admin = self._make_admin(config)
+            resource = ConfigResource("topic", topic)
+            futures = self._admin.describe_configs([resource], request_timeout=wait)
+            entries = next(iter(futures.values())).result(timeout=wait)
+        except (KafkaException, ValueError, TypeError, RuntimeError, StopIteration):
+            return None
+        except Exception:
+            return None
+        entry = entries.get("cleanup.policy") if isinstance(entries, Mapping) else None
+        value = getattr(entry, "value", None)
+        return value if isinstance(value, str) else None
+
     def _discard(self) -> None:
         """Drop a consumer that failed: the next call makes a new one."""
         consumer, self._consumer = self._consumer, None
@@ -551,6 +594,9 @@ READ_BACK_MARGIN = 0.5
 
 #: How long an unproven key waits before its read-back is tried again.
 UNPROVEN_RETRY_SECONDS = 5.0
+
+#: How long a topic's cleanup policy is kept before it is asked again.
+COMPACTION_CHECK_SECONDS = 300.0
 
 
 class Session:
@@ -740,6 +786,24 @@ class Recovery:
                     )
         if self._dead_letter_topic is not None and candidates:
             topics.add(self._dead_letter_topic)
+        compacted = {
+            topic
+            for topic in sorted(topics)
+            if self._reader.compacted(topic, deadline - self._clock())
+        }
+        if compacted:
+            # What a compacted topic lacks proves nothing: those keys are sent
+            # again whole, in order, as an at-least-once relay would.
+            skipped = {
+                k.key
+                for k in doubtful
+                if self._dead_letter_topic in compacted
+                or any(e.topic in compacted for e in k.events)
+            }
+            report.compacted = len(skipped)
+            doubtful = [k for k in doubtful if k.key not in skipped]
+            candidates = [c for c in candidates if c.key.decode() not in skipped]
+            copies = [c for c in copies if c.key.decode() not in skipped]
         sessions = sorted({s for key in doubtful for s in key.doubt})
         floors = self._store.read_floors(sessions, sorted(topics))
         by_session_topic: dict[tuple[str, str], dict[int, Floor]] = {}

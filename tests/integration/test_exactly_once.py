@@ -293,3 +293,27 @@ def test_a_dead_letter_copy_sent_before_a_crash_is_not_made_again(
     assert scalar(engine, "SELECT status FROM outbox WHERE event_id = :id", id=ids[0]) == (
         "discarded"
     )
+
+
+def test_keys_on_a_compacted_topic_are_sent_again_whole_in_order_and_counted(
+    engine: sa.Engine, database_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    # Compaction deletes a key's older messages once a newer one is there, so what
+    # such a topic lacks proves nothing: the heir sends the dead relay's keys again
+    # whole, in order (at least once), and counts them.
+    topic = new_topic(partitions=2, config={"cleanup.policy": "compact"})
+    ids = enqueue(engine, topic_outbox(), topic, keys=5, per_key=2)
+    relay_settings = settings(database_url, kafka_bootstrap)
+    crash_after_send(relay_settings)
+    heir = heir_drains(relay_settings)
+    records = consume_all(kafka_bootstrap, topic, expected=2 * len(ids))
+    assert copies_by_id(records) == {i: 2 for i in ids}
+    by_key: dict[str, list[str]] = collections.defaultdict(list)
+    for r in records:
+        by_key[r.key or ""].append(r.event_id)
+    for key, sent in by_key.items():
+        mine = [i for i in ids if i in set(sent)]
+        assert sent == mine + mine, key  # the dead relay's send, then the heir's
+    assert sample(heir, "outbox_read_back_compacted_total") == 5
+    assert sample(heir, "outbox_read_back_matched_total") == 0
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'delivered'") == len(ids)

@@ -4,8 +4,10 @@ which events in doubt the messages read back are."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -269,6 +271,49 @@ def test_settings_librdkafka_refuses_are_a_configuration_error() -> None:
     reader = PartitionReader({"no.such.setting": "1"})
     with pytest.raises(ConfigurationError):
         reader.read({("t", 0): 0}, {b"a"}, time.monotonic() + 1)
+
+
+class ScriptedAdmin:
+    """Answers ``describe_configs`` with the cleanup policy of each topic it knows
+    (a missing entry when it has none); counts the calls."""
+
+    def __init__(self, policies: dict[str, str | None], error: Exception | None = None) -> None:
+        self.policies = policies
+        self.error = error
+        self.asked: list[str] = []
+
+    def describe_configs(self, resources: list[Any], request_timeout: float) -> dict[Any, Any]:
+        name = resources[0].name
+        self.asked.append(name)
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        if self.error is not None:
+            future.set_exception(self.error)
+            return {resources[0]: future}
+        policy = self.policies.get(name)
+        entries = {} if policy is None else {"cleanup.policy": SimpleNamespace(value=policy)}
+        future.set_result(entries)
+        return {resources[0]: future}
+
+
+def test_compacted_reads_the_cleanup_policy_and_keeps_the_answer() -> None:
+    admin = ScriptedAdmin(
+        {"c": "compact", "d": "delete", "both": "compact,delete", "spaced": "delete, compact"}
+    )
+    reader = PartitionReader({}, make_admin=lambda config: admin)
+    assert reader.compacted("c", 1) is True
+    assert reader.compacted("both", 1) is True
+    assert reader.compacted("spaced", 1) is True
+    assert reader.compacted("d", 1) is False
+    # A broker that says nothing: not known.
+    assert reader.compacted("silent", 1) is None
+    assert reader.compacted("c", 1) is True
+    assert admin.asked == ["c", "both", "spaced", "d", "silent"]  # asked once each
+
+
+def test_compacted_is_not_known_when_the_broker_refuses_to_say() -> None:
+    refused = KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+    reader = PartitionReader({}, make_admin=lambda config: ScriptedAdmin({}, error=refused))
+    assert reader.compacted("t", 1) is None
 
 
 # --------------------------------------------------------------------------- matches

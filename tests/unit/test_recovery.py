@@ -155,6 +155,37 @@ def test_an_unproven_key_waits_unsent_or_is_sent_when_the_operator_prefers() -> 
     assert sample(sending, "outbox_read_back_sent_unproven_total") == 1
 
 
+def test_keys_on_a_compacted_topic_are_sent_again_whole_and_counted() -> None:
+    # Compaction deletes a key's older messages once a newer one is there: what a
+    # compacted topic lacks proves nothing, so the heir sends the key's events
+    # again, in order, as an at-least-once relay would, and counts the key.
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 3)
+    publisher = StubPublisher()
+    dead_relay_sent(store, publisher, clock, 2)
+    heir = relay(store, publisher, StubReader(publisher, compacted={"t"}))
+    heir.cycle()
+    assert [e.status for e in store.events("a")] == ["delivered"] * 3
+    assert on_log(publisher) == ids[:2] + ids  # the two the dead relay sent, twice
+    assert store.doubt("a") == []
+    assert sample(heir, "outbox_read_back_compacted_total") == 1
+    assert sample(heir, "outbox_read_back_matched_total") == 0
+
+
+def test_a_compacted_topic_elsewhere_leaves_other_keys_read_back() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    ids = enqueue(store, "a", 2)
+    publisher = StubPublisher()
+    dead_relay_sent(store, publisher, clock, 2)
+    heir = relay(store, publisher, StubReader(publisher, compacted={"another-topic"}))
+    heir.cycle()
+    assert on_log(publisher) == ids
+    assert sample(heir, "outbox_read_back_compacted_total") == 0
+    assert sample(heir, "outbox_read_back_matched_total") == 2
+
+
 def test_floors_open_before_the_first_send_and_rise_with_each_clean_record() -> None:
     store = InMemoryStore()
     enqueue(store, "a", 2)
