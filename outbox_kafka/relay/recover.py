@@ -873,20 +873,31 @@ class Recovery:
         A key with a message that may be on Kafka unacknowledged is in doubt about
         the session up to the last of its events claimed (the doubt ends once the
         key's next_seq has passed it)."""
-        keys = {m.key.decode() for m, d in handed if d.in_doubt}
-        doubtful = {k.key: k.events[-1].seq for k in claim.keys if k.key in keys and k.events}
+        # One pass over the batch (it runs for every batch): the keys with a message
+        # in doubt (Delivery.in_doubt), and the end of what was delivered on each
+        # partition.
+        in_doubt: set[bytes] = set()
+        ends: dict[tuple[str, int], int] = {}
+        delivered = Verdict.DELIVERED
+        for m, d in handed:
+            if d.verdict == delivered:
+                offset, partition = d.offset, d.partition
+                if offset is not None and partition is not None:
+                    pair = (m.topic, partition)
+                    if offset >= ends.get(pair, 0):
+                        ends[pair] = offset + 1
+            elif d.sent and (not d.reported or d.may_have_landed):
+                in_doubt.add(m.key)
+        doubtful = (
+            {k.key: k.events[-1].seq for k in claim.keys if k.events and k.key.encode() in in_doubt}
+            if in_doubt
+            else {}
+        )
         floors: dict[tuple[str, int], int] = {}
         if doubtful:
             self.close(session)
         else:
-            for m, d in handed:
-                if (
-                    d.verdict == Verdict.DELIVERED
-                    and d.partition is not None
-                    and d.offset is not None
-                ):
-                    pair = (m.topic, d.partition)
-                    floors[pair] = max(floors.get(pair, 0), d.offset + 1)
+            floors = ends
             found = self._sessions.get(session)
             opened = found.opened if found is not None else {}
             if any(offset <= opened.get(pair, 0) for pair, offset in floors.items()):
