@@ -24,7 +24,18 @@ from pathlib import Path
 from outbox_kafka.database import normalise_url, redact_url
 from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker, start_postgres
 
-from . import async_producer, backlog, business, hotkey, latency, plots, producer, relay, wakeups
+from . import (
+    async_producer,
+    backlog,
+    business,
+    hotkey,
+    latency,
+    plots,
+    producer,
+    relay,
+    takeover,
+    wakeups,
+)
 from .common import (
     DEFAULT_RUNS,
     QUICK_RUNS,
@@ -92,6 +103,13 @@ BENCHES: list[Bench] = [
         needs_kafka=True,
     ),
     Bench(
+        takeover.NAME,
+        takeover.run,
+        "a relay SIGKILLed at full rate: from its keys' lease end to their first record by "
+        "the heir, and the messages the heir's read-back reads, with a 30 s lease",
+        needs_kafka=True,
+    ),
+    Bench(
         latency.NAME,
         latency.run,
         "commit-to-ack latency at 100, 1,000 and 5,000 events/s, LISTEN on and off",
@@ -100,7 +118,16 @@ BENCHES: list[Bench] = [
 ]
 
 #: Names for several sections at once.
-GROUPS = {"relay": [relay.NAME, hotkey.NAME, backlog.NAME, wakeups.NAME, latency.NAME]}
+GROUPS = {
+    "relay": [
+        relay.NAME,
+        hotkey.NAME,
+        backlog.NAME,
+        wakeups.NAME,
+        takeover.NAME,
+        latency.NAME,
+    ]
+}
 
 #: Targets of figures whose section does not state them itself: (section, measurement).
 EXTRA_TARGETS = {
