@@ -687,17 +687,23 @@ class Recovery:
         if found is None:
             return lambda topic, key: None
         counts = found.partitions
+        #: By topic, for this batch: the count its keys are placed under (asked once).
+        batch_counts: dict[str, int | None] = {}
+        place_key = self._partitions.partition
 
         def partition(topic: str, key: bytes) -> int | None:
-            count = counts.get(topic)
-            now = self._publisher.partition_count(topic)
-            if count is None:
-                if now is None:
-                    return None
-                count = counts[topic] = now
-            elif now is not None and now != count:
-                found.closed = True  # the next session produces under the new count
-            return self._partitions.partition(key, count)
+            if topic in batch_counts:
+                count = batch_counts[topic]
+            else:
+                count = counts.get(topic)
+                now = self._publisher.partition_count(topic)
+                if count is None:
+                    if now is not None:
+                        count = counts[topic] = now
+                elif now is not None and now != count:
+                    found.closed = True  # the next session produces under the new count
+                batch_counts[topic] = count
+            return None if count is None else place_key(key, count)
 
         return partition
 
@@ -713,6 +719,10 @@ class Recovery:
         if found is None:
             return list(messages)
         placed = list(messages)
+        if {(m.topic, m.partition) for m in placed} <= found.opened.keys():
+            # The common case: every message planned on a partition opened already (a
+            # message without a partition, (topic, None), is never among them).
+            return placed
         partition_of = self.partition_of(session)
         new: dict[str, set[int]] = {}
         for i, message in enumerate(placed):

@@ -136,7 +136,7 @@ class BatchSender:
         if plan.messages or first_copies:
             deliveries = self._send(plan.messages + first_copies, lease_ends)
             sent = deliveries[: len(plan.messages)]
-            results.deliveries.update((id(e), d) for e, d in zip(plan.events, sent, strict=True))
+            results.deliveries.update({id(e): d for e, d in zip(plan.events, sent, strict=True)})
             note_copies(first, first_copies, deliveries[len(plan.messages) :], results.copies)
 
         # One walk per key decides both its next state and the dead-letter copies

@@ -8,6 +8,7 @@ from typing import Any
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batch import Floor, Verdict
 from outbox_kafka.relay.ports import Message
+from outbox_kafka.relay.recover import key_partition
 from outbox_kafka.testing import InMemoryStore, StubPublisher, StubReader
 from tests.fakes_support import NO_DATABASE, enqueue
 from tests.relay_support import make_settings
@@ -253,3 +254,21 @@ def test_a_requeue_below_what_a_dead_relay_sent_does_not_end_the_doubt_early() -
     assert [e.status for e in store.events("a")] == ["delivered"] * 3
     assert sorted(on_log(publisher)) == sorted(ids)
     assert store.doubt("a") == []
+
+
+def test_a_key_with_events_on_topics_of_different_sizes_goes_to_each_topics_own_partition() -> None:
+    store = InMemoryStore()
+    outbox = store.outbox(source="/tests")
+    for topic in ("six", "two", "six", "two"):
+        outbox.enqueue(None, type="x.y", key="customer-3", topic=topic, data={})
+    publisher = StubPublisher(partitions={"six": 6, "two": 2})
+    r = relay(store, publisher)
+    for _ in range(4):
+        r.cycle()
+    sent = [m for send in publisher.sends for m in send]
+    assert [m.topic for m in sent] == ["six", "two", "six", "two"]
+    # customer-3 goes to partition 4 of six partitions, 0 of two.
+    assert [m.partition for m in sent] == [
+        key_partition(b"customer-3", 6),
+        key_partition(b"customer-3", 2),
+    ] * 2
