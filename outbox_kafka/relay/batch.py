@@ -210,6 +210,8 @@ class ReadBackReport:
     unproven: int = 0
     #: Keys sent although unproven (the relay prefers at least once to waiting).
     resent_unproven: int = 0
+    #: Events of the keys read back that are proven not on Kafka: sent now.
+    absent: int = 0
     #: Why the first unproven key could not be proven.
     why_unproven: str | None = None
     #: Keys sent again without a read-back: a topic of theirs is compacted, where

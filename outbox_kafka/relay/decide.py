@@ -439,8 +439,12 @@ def over_topic_limit(
 ) -> Problem | None:
     """The message's problem if it is larger than its topic takes (where told)."""
     limit = message_limit(message.topic)
-    if limit is None:
-        return None
+    return None if limit is None else over_limit(message, limit)
+
+
+def over_limit(message: Message, limit: int) -> Problem | None:
+    """The message's problem if it is larger than ``limit``, its topic's
+    ``max.message.bytes``."""
     size = message_size(message.key, message.value, message.headers)
     if size <= limit:
         return None
@@ -470,6 +474,8 @@ def plan_batch(
     read-back proved nothing wait. ``partition_of(topic, key)``: the partition each
     message goes to (None: the producer's partitioner chooses)."""
     plan = BatchPlan()
+    #: By topic, asked once a batch: what stops every message to it, else its limit.
+    topics: dict[str, tuple[Problem | None, int | None]] = {}
     for claimed in claim.keys:
         due = sendable(claimed)
         if found is not None and claimed.key in found.unproven:
@@ -483,7 +489,9 @@ def plan_batch(
             continue
         plan.keys.append((claimed, due))
         key = claimed.key.encode()
-        partition = None if partition_of is None else partition_of(due[0].topic, key)
+        topic = due[0].topic  # every event of the run goes to it (sendable)
+        partition = None if partition_of is None else partition_of(topic, key)
+        asked = topics.get(topic)
         for event in due:
             if found is not None:
                 copy = found.copies.get(event.event_id)
@@ -496,11 +504,13 @@ def plan_batch(
             message = Message(
                 event.topic, key, event.value, event.headers or [], event.event_id, partition
             )
-            problem = (
-                problems.get(id(event))
-                or topic_problem(event.topic)
-                or over_topic_limit(message, message_limit)
-            )
+            problem = problems.get(id(event))
+            if problem is None:
+                if asked is None:
+                    trouble = topic_problem(topic)
+                    asked = topics[topic] = (trouble, None if trouble else message_limit(topic))
+                trouble, limit = asked
+                problem = trouble or (None if limit is None else over_limit(message, limit))
             if problem is not None:
                 # Nothing later of this key goes out in this batch: whatever becomes
                 # of this event (retry, park, discard), it is settled before anything

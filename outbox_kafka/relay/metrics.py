@@ -170,6 +170,12 @@ class RelayMetrics(RelayObserver):
             "Keys in doubt sent although unproven (--on-unproven send: at least once).",
             registry=r,
         )
+        self.read_back_absent = Counter(
+            "outbox_read_back_absent",
+            "Events of keys in doubt that a read-back proved are not on Kafka: sent, "
+            "for the first time or again.",
+            registry=r,
+        )
         self.read_back_compacted = Counter(
             "outbox_read_back_compacted",
             "Keys in doubt sent again without a read-back because a topic of theirs is "
@@ -336,6 +342,7 @@ class RelayMetrics(RelayObserver):
         self.read_back_matched.inc(report.matched)
         self.read_back_unproven.inc(report.unproven)
         self.read_back_resent.inc(report.resent_unproven)
+        self.read_back_absent.inc(report.absent)
         self.read_back_compacted.inc(report.compacted)
         self.read_back_seconds.observe(report.seconds)
 

@@ -368,6 +368,7 @@ class LogObserver(RelayObserver):
             "matched": report.matched,
             "unproven": report.unproven,
             "sent_unproven": report.resent_unproven,
+            "absent": report.absent,
             "why_unproven": report.why_unproven,
             "compacted": report.compacted,
             "seconds": round(report.seconds, 3),

@@ -858,6 +858,8 @@ class Recovery:
                 on_topic = found.get(event.event_id)
                 if on_topic is not None:
                     recovered.deliveries[event.event_id] = _delivered(on_topic)
+                elif not unproven:
+                    report.absent += 1
                 if self._dead_letter_topic is not None:
                     copy = found_copies.get(event.event_id)
                     if copy is not None:

@@ -118,6 +118,8 @@ def test_a_claim_that_ends_without_a_record_leaves_its_session_in_doubt() -> Non
     assert on_log(publisher) == ids
     # The third was not found on Kafka: what the dead session sent ends there.
     assert store.doubt("a") == []
+    assert sample(heir, "outbox_read_back_matched_total") == 2
+    assert sample(heir, "outbox_read_back_absent_total") == 1
 
 
 def test_when_every_event_claimed_is_found_the_doubt_stays_for_the_next_claim() -> None:
