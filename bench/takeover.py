@@ -2,18 +2,22 @@
 
 Two ``outbox-kafka relay`` processes (run mode, ``--lease-seconds`` of
 :data:`LEASE_SECONDS`) drain a backlog filled on the server (:data:`EVENTS`
-of 200 B over ``EVENTS / 10`` keys) to a fresh topic. Once they have
-published :data:`KILL_AT` of it, relay A gets SIGKILL. Relay B goes on at
-full rate, and when the dead relay's leases end it takes its keys over: they
+of 200 B over ``EVENTS / 10`` keys) to a fresh topic. Once the two have
+published :data:`KILL_AT` of it together, relay A gets SIGKILL. Relay B goes on
+at full rate, and when the dead relay's leases end it takes its keys over: they
 are in doubt, so it reads their partitions back from A's floors to the end,
 records what it finds there as delivered and sends only the rest. Everything
 B sent in the meantime lies on those partitions too, so the read-back reads
 roughly one lease of the relay's output.
 
+Whether events were still pending when A's first lease ended (relay B busy
+at the takeover) is reported with B's rate.
+
 Per run:
 
 * ``takeover → first record``: for each key A held when it died, from the
-  end of its lease (``lease_expires_at`` read right after the kill) to the
+  end of its lease (``lease_expires_at`` of the keys still claimed under
+  the same token :data:`CLAIMS_APART` seconds after the kill) to the
   first of its events recorded delivered again (``delivered_at``): the wait
   for the read-back plus one send. Median and worst over the keys;
 * ``messages read per takeover``: B's ``outbox_read_back_messages_total``
@@ -103,6 +107,8 @@ class Takeover:
     read_back_seconds: float
     #: B's events/s from the kill to the first lease end.
     rate: float
+    #: Whether events were still pending when the first lease ended: B was busy.
+    busy: bool
 
 
 def metrics(relay: RelayProcess) -> dict[str, float]:
@@ -197,7 +203,7 @@ class TakeoverBench:
             self.table.fill_server_side(fill)
             a, b = self.relay(), self.relay()
             try:
-                while published(a) < self.events * KILL_AT:
+                while published(a) + published(b) < self.events * KILL_AT:
                     for relay in (a, b):
                         if not relay.alive():
                             exit = relay.wait()
@@ -222,6 +228,7 @@ class TakeoverBench:
                 takeover = time.perf_counter() + (min(r[2] for r in dead) - now).total_seconds()
                 time.sleep(max(0.0, takeover - time.perf_counter()))
                 rate = (b.published() - sent_before) / (time.perf_counter() - killed)
+                busy = bool(self.table.scalar("any_pending"))
                 deadline = time.monotonic() + RUN_TIMEOUT
                 while self.table.scalar("any_pending"):
                     if not b.alive() or time.monotonic() > deadline:
@@ -268,6 +275,7 @@ class TakeoverBench:
             unproven=int(delta("outbox_read_back_unproven_total")),
             read_back_seconds=delta("outbox_read_back_seconds_sum"),
             rate=rate,
+            busy=busy,
         )
 
 
@@ -335,6 +343,7 @@ def run(ctx: BenchContext) -> list[Result]:
             "events/s",
             [r.rate for r in runs],
             "its rate until the dead relay's first lease ended: what the read-back "
-            "finds on the partitions after the dead relay's floors",
+            "finds on the partitions after the dead relay's floors; events still pending "
+            "then (B busy at the takeover): " + ", ".join("yes" if r.busy else "no" for r in runs),
         ),
     ]

@@ -444,19 +444,20 @@ class PartitionReader:
 
     def compacted(self, topic: str, timeout: float) -> bool | None:
         """Whether ``topic``'s ``cleanup.policy`` includes ``compact``; None when the
-        broker does not say within ``timeout`` seconds (no DescribeConfigs right, a
-        broker that does not answer it). Each answer is kept
-        :data:`COMPACTION_CHECK_SECONDS`."""
+        broker does not say: it answers without the setting, does not know the topic,
+        or the relay may not describe it (no DescribeConfigs right). Each answer is
+        kept :data:`COMPACTION_CHECK_SECONDS`.
+
+        Raises :class:`ReadBackError` when no answer came within ``timeout`` seconds
+        (a broker slow or away): nothing is known then, and nothing is kept."""
         now = time.monotonic()
         cached = self._compaction.get(topic)
         if cached is not None and now - cached[1] < COMPACTION_CHECK_SECONDS:
             return cached[0]
         answer = self._cleanup_policy(topic, timeout)
-        self._compaction[topic] = (
-            None if answer is None else "compact" in answer.replace(" ", "").split(","),
-            now,
-        )
-        return self._compaction[topic][0]
+        compacted = None if answer is None else "compact" in answer.replace(" ", "").split(",")
+        self._compaction[topic] = (compacted, now)
+        return compacted
 
     def _cleanup_policy(self, topic: str, timeout: float) -> str | None:
         wait = max(0.1, timeout)
@@ -468,10 +469,21 @@ class PartitionReader:
             resource = ConfigResource("topic", topic)
             futures = self._admin.describe_configs([resource], request_timeout=wait)
             entries = next(iter(futures.values())).result(timeout=wait)
-        except (KafkaException, ValueError, TypeError, RuntimeError, StopIteration):
-            return None
-        except Exception:
-            return None
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() in _POLICY_NOT_TOLD:
+                return None
+            raise ReadBackError(
+                f"cannot read the cleanup policy of topic {topic!r}: {_describe(exc)}"
+            ) from None
+        except TimeoutError:
+            raise ReadBackError(
+                f"no answer about the cleanup policy of topic {topic!r} within {wait:g} s"
+            ) from None
+        except (ValueError, TypeError, RuntimeError, StopIteration) as exc:
+            raise ReadBackError(
+                f"cannot read the cleanup policy of topic {topic!r}: {exc}"
+            ) from None
         entry = entries.get("cleanup.policy") if isinstance(entries, Mapping) else None
         value = getattr(entry, "value", None)
         return value if isinstance(value, str) else None
@@ -484,8 +496,9 @@ class PartitionReader:
                 consumer.close()
 
     def close(self) -> None:
-        """Close the consumer (a later call makes a new one)."""
+        """Close the consumer and let the admin client go (later calls make new ones)."""
         self._discard()
+        self._admin = None
 
 
 def _found(msg: Any, key: bytes) -> Found:
@@ -597,6 +610,18 @@ UNPROVEN_RETRY_SECONDS = 5.0
 
 #: How long a topic's cleanup policy is kept before it is asked again.
 COMPACTION_CHECK_SECONDS = 300.0
+
+#: DescribeConfigs errors that mean the broker will not tell a topic's cleanup policy
+#: (the topic is then taken as not compacted); any other error is no answer yet.
+_POLICY_NOT_TOLD = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.UNSUPPORTED_VERSION,
+        KafkaError.INVALID_REQUEST,
+    }
+)
 
 
 class Session:

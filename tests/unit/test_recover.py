@@ -277,15 +277,25 @@ class ScriptedAdmin:
     """Answers ``describe_configs`` with the cleanup policy of each topic it knows
     (a missing entry when it has none); counts the calls."""
 
-    def __init__(self, policies: dict[str, str | None], error: Exception | None = None) -> None:
+    def __init__(
+        self,
+        policies: dict[str, str | None],
+        error: Exception | None = None,
+        *,
+        silent: bool = False,
+    ) -> None:
         self.policies = policies
         self.error = error
+        #: Never answers (a broker that does not reply).
+        self.silent = silent
         self.asked: list[str] = []
 
     def describe_configs(self, resources: list[Any], request_timeout: float) -> dict[Any, Any]:
         name = resources[0].name
         self.asked.append(name)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        if self.silent:
+            return {resources[0]: future}
         if self.error is not None:
             future.set_exception(self.error)
             return {resources[0]: future}
@@ -314,6 +324,22 @@ def test_compacted_is_not_known_when_the_broker_refuses_to_say() -> None:
     refused = KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
     reader = PartitionReader({}, make_admin=lambda config: ScriptedAdmin({}, error=refused))
     assert reader.compacted("t", 1) is None
+
+
+def test_no_answer_about_the_policy_is_a_read_back_error_and_is_not_kept() -> None:
+    # A broker slow or away: nothing is known, so the read-back cannot go on as if
+    # the topic were not compacted; the next read-back asks again.
+    lost = KafkaException(KafkaError(KafkaError._TRANSPORT))
+    admin = ScriptedAdmin({"t": "compact"}, error=lost)
+    reader = PartitionReader({}, make_admin=lambda config: admin)
+    with pytest.raises(ReadBackError, match="cleanup policy of topic 't'"):
+        reader.compacted("t", 1)
+    admin.error = None
+    assert reader.compacted("t", 1) is True
+    assert admin.asked == ["t", "t"]
+    silent = PartitionReader({}, make_admin=lambda config: ScriptedAdmin({}, silent=True))
+    with pytest.raises(ReadBackError, match="no answer"):
+        silent.compacted("t", 0.1)
 
 
 # --------------------------------------------------------------------------- matches

@@ -8,7 +8,7 @@ from typing import Any
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.batch import Floor, Verdict
 from outbox_kafka.relay.ports import Message
-from outbox_kafka.relay.recover import key_partition
+from outbox_kafka.relay.recover import ReadBackError, key_partition
 from outbox_kafka.testing import InMemoryStore, StubPublisher, StubReader
 from tests.fakes_support import NO_DATABASE, enqueue
 from tests.relay_support import make_settings
@@ -174,6 +174,25 @@ def test_keys_on_a_compacted_topic_are_sent_again_whole_and_counted() -> None:
     assert store.doubt("a") == []
     assert sample(heir, "outbox_read_back_compacted_total") == 1
     assert sample(heir, "outbox_read_back_matched_total") == 0
+
+
+class UnansweredReader(StubReader):
+    """A broker that does not answer about cleanup policies."""
+
+    def compacted(self, topic: str, timeout: float) -> bool | None:
+        raise ReadBackError(f"no answer about the cleanup policy of topic {topic!r}")
+
+
+def test_a_cleanup_policy_not_answered_leaves_the_key_unsent_and_unproven() -> None:
+    clock = Clock()
+    store = InMemoryStore(clock)
+    enqueue(store, "a", 1)
+    publisher = StubPublisher()
+    dead_relay_sent(store, publisher, clock, 0)
+    heir = relay(store, publisher, UnansweredReader(publisher))
+    heir.cycle()
+    assert on_log(publisher) == [] and store.doubt("a") != []
+    assert sample(heir, "outbox_read_back_unproven_total") == 1
 
 
 def test_a_compacted_topic_elsewhere_leaves_other_keys_read_back() -> None:
