@@ -228,6 +228,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def prepare_output(path: Path) -> str | None:
+    """Make the folder ``path`` (the results file) goes in; why it cannot be written
+    there, or None. Checked before any section runs: a run of many minutes must not
+    end in a traceback while writing its results."""
+    if path.is_dir():
+        return f"{path} is a folder: name the results file, e.g. {path / 'results.md'}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make the folder {path.parent}: {exc.strerror or exc}"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"cannot write in the folder {path.parent}"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"cannot write {path}"
+    return None
+
+
 def command_line(argv: Sequence[str]) -> str:
     """The invocation for results.md, with any password in a URL hidden."""
     shown: list[str] = []
@@ -277,7 +294,11 @@ def report_dead_broker(broker: EmbeddedBroker) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(args_list)
+    cli = parser()
+    args = cli.parse_args(args_list)
+    problem = prepare_output(args.output)
+    if problem is not None:
+        cli.error(f"--output: {problem}")
     selected = selected_benches(args.only)
     runs: int = args.runs or (QUICK_RUNS if args.quick else DEFAULT_RUNS)
     writers: tuple[int, ...] = args.writers or ((1,) if args.quick else (1, 8))
