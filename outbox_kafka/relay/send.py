@@ -262,7 +262,8 @@ class BatchSender:
             return recovery.read_back(claim, deadline)
         except (StorageError, ReadBackError) as exc:
             log.warning(
-                "could not read Kafka back for keys in doubt; they wait",
+                "could not read Kafka back for keys in doubt; they are unproven "
+                "(they wait, or with --on-unproven send are sent at least once)",
                 extra={"action": "read_back_failed", "error": str(exc)},
             )
             return recovery.unproven(claim, str(exc))
