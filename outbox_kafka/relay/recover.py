@@ -24,6 +24,7 @@ Nothing from confluent_kafka leaves this module: its errors become
 from __future__ import annotations
 
 import contextlib
+import logging
 import struct
 import threading
 import time
@@ -39,6 +40,8 @@ from outbox_kafka.logs import librdkafka_logger
 from outbox_kafka.relay.batch import Claim, Doubts, Floor, ReadBackReport, Verdict
 from outbox_kafka.relay.decide import FoundOnKafka
 from outbox_kafka.relay.ports import Delivery, Found, Message, ReadBack
+
+log = logging.getLogger("outbox_kafka.relay")
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.observe import RelayObserver
@@ -456,6 +459,14 @@ class PartitionReader:
             return cached[0]
         answer = self._cleanup_policy(topic, timeout)
         compacted = None if answer is None else "compact" in answer.replace(" ", "").split(",")
+        if compacted is None and topic not in self._compaction:
+            log.warning(
+                "the broker does not tell whether topic %r is compacted (no DescribeConfigs "
+                "right, or no cleanup.policy in its answer): its keys in doubt are read back "
+                "as if it were not",
+                topic,
+                extra={"action": "cleanup_policy_unknown", "topic": topic},
+            )
         self._compaction[topic] = (compacted, now)
         return compacted
 

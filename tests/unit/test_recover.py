@@ -5,6 +5,7 @@ which events in doubt the messages read back are."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import random
 import time
 from types import SimpleNamespace
@@ -320,10 +321,17 @@ def test_compacted_reads_the_cleanup_policy_and_keeps_the_answer() -> None:
     assert admin.asked == ["c", "both", "spaced", "d", "silent"]  # asked once each
 
 
-def test_compacted_is_not_known_when_the_broker_refuses_to_say() -> None:
+def test_compacted_is_not_known_when_the_broker_refuses_to_say(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     refused = KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
     reader = PartitionReader({}, make_admin=lambda config: ScriptedAdmin({}, error=refused))
-    assert reader.compacted("t", 1) is None
+    with caplog.at_level(logging.WARNING, logger="outbox_kafka.relay"):
+        assert reader.compacted("t", 1) is None
+        assert reader.compacted("t", 1) is None
+    # Said once: the operator learns that compaction cannot be noticed on "t".
+    said = [r for r in caplog.records if "does not tell whether topic 't'" in r.getMessage()]
+    assert len(said) == 1
 
 
 def test_no_answer_about_the_policy_is_a_read_back_error_and_is_not_kept() -> None:
