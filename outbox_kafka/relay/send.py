@@ -281,6 +281,10 @@ TOPIC_LIMIT_SECONDS = 60.0
 #: broker is asked again: held keys are looked at every few seconds.
 MISSING_TOPIC_SECONDS = 2.0
 
+#: Batches in a row that timed out, with nothing delivered, while the broker answers
+#: metadata requests, after which the producer is replaced (it may be stuck).
+STALLED_BATCHES = 3
+
 #: librdkafka's names of the producer's compression setting.
 _COMPRESSION_KEYS = ("compression.type", "compression.codec")
 
@@ -426,6 +430,10 @@ class Publisher:
         self._topic_lock = threading.Lock()
         self._producer = self._new_producer()
         self._admin: AdminClient | None = None
+        #: Batches in a row in which nothing was delivered and a message timed out.
+        self._stalled_batches = 0
+        #: How many times the producer was replaced (fatal errors and stalls).
+        self.rebuilds = 0
 
     @classmethod
     def for_settings(
@@ -723,6 +731,35 @@ class Publisher:
                 d.error = "NO_REPORT: no delivery report before the relay's wait ran out"
         if fatal or any(d.fatal for d in deliveries):
             self.rebuild(producer)
+        else:
+            self._watch_for_stall(producer, deliveries)
+
+    def _watch_for_stall(self, producer: Producer, deliveries: list[Delivery]) -> None:
+        """Replace a producer that keeps timing out while the broker answers.
+
+        librdkafka's idempotent producer can be left unable to send after its broker
+        restarts (waiting for a producer id that never comes), with no fatal error
+        to say so: every message then times out locally while metadata requests
+        succeed. After :data:`STALLED_BATCHES` batches in a row in which nothing was
+        delivered and a message timed out, the producer is rebuilt if the broker
+        answers; a broker that is down is waited for as before.
+        """
+        if any(d.verdict == Verdict.DELIVERED for d in deliveries):
+            self._stalled_batches = 0
+            return
+        if not any(d.reported and d.may_have_landed for d in deliveries):
+            return  # nothing timed out: refusals, or a wait that was cut short
+        self._stalled_batches += 1
+        if self._stalled_batches < STALLED_BATCHES:
+            return
+        problem = self.broker_problem(self._metadata_timeout)
+        if problem is not None:
+            return  # the broker is away: a new producer would not help
+        self._stalled_batches = 0
+        self.rebuild(
+            producer,
+            why=f"{STALLED_BATCHES} batches in a row timed out while the broker answers",
+        )
 
     @staticmethod
     def _flush(producer: Producer, timeout: float) -> bool:
@@ -743,8 +780,9 @@ class Publisher:
             return True
         return False
 
-    def rebuild(self, failed: Producer | None = None) -> None:
-        """Replace a producer that hit a fatal error (its idempotence state is gone).
+    def rebuild(self, failed: Producer | None = None, *, why: str = "a fatal error") -> None:
+        """Replace a producer that hit a fatal error (its idempotence state is gone),
+        or that stalled (``why`` says which, for the log).
 
         ``failed``: the producer that failed; when another loop has replaced
         it already, nothing is done.
@@ -753,8 +791,11 @@ class Publisher:
             if failed is not None and failed is not self._producer:
                 return
             log.warning(
-                "rebuilding the Kafka producer after a fatal error", extra={"action": "rebuild"}
+                "rebuilding the Kafka producer after %s",
+                why,
+                extra={"action": "rebuild", "reason": why},
             )
+            self.rebuilds += 1
             old = self._producer
             self._producer = self._new_producer()
         with contextlib.suppress(KafkaException):

@@ -8,11 +8,12 @@ import time
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox_kafka.logs import LIBRDKAFKA_LOGGER
 from outbox_kafka.relay.batch import Verdict
 from outbox_kafka.relay.ports import Message
-from outbox_kafka.relay.send import Publisher
+from outbox_kafka.relay.send import STALLED_BATCHES, Publisher
 
 
 class _Reported:
@@ -121,3 +122,97 @@ def test_a_rebuilt_producer_is_made_as_the_first_was_from_the_same_configuration
     assert made[0][0]["bootstrap.servers"] == "127.0.0.1:1"
     publisher.send(MESSAGES, timeout=1.0)
     assert [len(p.callbacks) for _, p in made] == [0, 2]  # the new one takes the sends
+
+
+class _Metadata:
+    def __init__(self, brokers: dict[int, object]) -> None:
+        self.brokers = brokers
+        self.topics: dict[str, object] = {}
+
+
+class TimingOutProducer(HeldProducer):
+    """Reports every message timed out; answers metadata requests while ``answers``:
+    an idempotent producer stuck after its broker restarted, or a broker that is down."""
+
+    def __init__(self, answers: bool = True) -> None:
+        super().__init__()
+        self.answers = answers
+        #: When False, every message is delivered instead.
+        self.times_out = True
+
+    def flush(self, timeout: float) -> int:
+        if not self.times_out:
+            return self.report_all()
+        served, self.callbacks = self.callbacks, []
+        for callback in served:
+            callback(KafkaError(KafkaError._MSG_TIMED_OUT), None)
+        return 0
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> _Metadata:
+        if not self.answers:
+            raise KafkaException("_TRANSPORT: Failed to get metadata")
+        return _Metadata({1: object()})
+
+
+def test_a_producer_that_keeps_timing_out_while_the_broker_answers_is_rebuilt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Seen after a broker restart: librdkafka's idempotent producer never sent again,
+    # every message timed out, and no fatal error came to replace it.
+    made: list[TimingOutProducer] = []
+
+    def make(config: dict[str, Any]) -> TimingOutProducer:
+        made.append(TimingOutProducer())
+        return made[-1]
+
+    publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {}, make_producer=make)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="outbox_kafka.publisher"):
+        for _ in range(STALLED_BATCHES - 1):
+            deliveries = publisher.send(MESSAGES, timeout=1.0)
+            assert all(d.in_doubt for d in deliveries)
+        assert len(made) == 1  # a batch or two timing out is an ordinary slow broker
+        publisher.send(MESSAGES, timeout=1.0)
+    assert len(made) == 2 and publisher.rebuilds == 1
+    assert [r.reason for r in caplog.records if getattr(r, "action", "") == "rebuild"] == [  # type: ignore[attr-defined]
+        f"{STALLED_BATCHES} batches in a row timed out while the broker answers"
+    ]
+    # The count starts again with the new producer.
+    for _ in range(STALLED_BATCHES - 1):
+        publisher.send(MESSAGES, timeout=1.0)
+    assert len(made) == 2
+
+
+def test_a_delivery_between_timeouts_starts_the_count_again() -> None:
+    made: list[TimingOutProducer] = []
+
+    def make(config: dict[str, Any]) -> TimingOutProducer:
+        made.append(TimingOutProducer())
+        return made[-1]
+
+    publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {}, make_producer=make)  # type: ignore[arg-type]
+    for _ in range(3):
+        for _ in range(STALLED_BATCHES - 1):
+            publisher.send(MESSAGES, timeout=1.0)
+        made[0].times_out = False  # the next batch is delivered
+        deliveries = publisher.send(MESSAGES, timeout=5.0)
+        assert all(d.verdict == Verdict.DELIVERED for d in deliveries)
+        made[0].times_out = True
+    assert len(made) == 1 and publisher.rebuilds == 0
+
+
+def test_a_producer_timing_out_because_the_broker_is_down_is_kept() -> None:
+    made: list[TimingOutProducer] = []
+
+    def make(config: dict[str, Any]) -> TimingOutProducer:
+        made.append(TimingOutProducer(answers=False))
+        return made[-1]
+
+    publisher = Publisher(
+        {"bootstrap.servers": "127.0.0.1:1"},
+        {},
+        make_producer=make,  # type: ignore[arg-type]
+        metadata_timeout=0.1,
+    )
+    for _ in range(STALLED_BATCHES * 3):
+        publisher.send(MESSAGES, timeout=1.0)
+    assert len(made) == 1 and publisher.rebuilds == 0
