@@ -93,7 +93,7 @@ BENCHES: list[Bench] = [
     Bench(
         backlog.NAME,
         backlog.run,
-        "claim and oldest-pending statements at 10,000 and 1,000,000 pending events",
+        "claim and backlog sample statements at 10,000 and 1,000,000 pending events",
     ),
     Bench(
         wakeups.NAME,

@@ -6,12 +6,14 @@ per key (1,000 and 100,000 keys), filled once on the server
 and table, interleaved:
 
 * the claim: ``Store.claim`` of 1,000 events, undone between calls;
-* ``oldest_pending_age`` (the statement the backlog sampler runs for
-  ``outbox_oldest_pending_age_seconds``), from ``queries_for(names)``, on a
-  pooled connection, round trip included;
-* ``pending_events_estimate`` (the sampler's ``outbox_pending_events``), the
-  same way: it reads one row per queued key, so it is expected to grow with
-  the number of keys.
+* a sample: one ``backlog_slice`` statement (what the backlog sampler runs
+  per tick for ``outbox_pending_events``, ``outbox_oldest_pending_age_seconds``
+  and ``outbox_parked_keys``), from the first key, on a pooled connection,
+  round trip included. It reads at most ``SLICE_KEYS`` keys of each table, so
+  it is expected to stay flat;
+* a sweep: ``Monitor.backlog``, every slice of the backlog one after another
+  (without the sampler's pauses between them), and how many statements it
+  took: the gauges' whole refresh, expected to grow with the keys.
 
 The figure of a run is the median of its calls. The cost of a statement
 that stays flat has a 1M / 10k ratio near 1.
@@ -22,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from typing import Any
 
 from sqlalchemy import Engine, TextClause
 
 from outbox_kafka import Outbox
+from outbox_kafka.relay.metrics import SLICE_KEYS, SLICE_PAUSE, BacklogSweep, Monitor
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.statements import queries_for
 
@@ -49,16 +53,36 @@ TARGET_FLAT = Target(2.0, at_most=True)
 TOPIC = "bench-backlog"
 
 
-def time_statement(engine: Engine, statement: TextClause, calls: int) -> float:
+def time_statement(
+    engine: Engine, statement: TextClause, calls: int, params: dict[str, Any] | None = None
+) -> float:
     """Median milliseconds of ``calls`` executions (fetching the one row), each committed."""
     times = []
     with engine.connect() as conn:
         for _ in range(calls):
             start = time.perf_counter()
-            conn.execute(statement).one()
+            conn.execute(statement, params or {}).one()
             conn.commit()
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def sweep_ms(monitor: Monitor, calls: int) -> tuple[float, int]:
+    """Median milliseconds of ``calls`` whole sweeps, and the statements one takes."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        monitor.backlog(timeout=60.0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, statements_per_sweep(monitor)
+
+
+def statements_per_sweep(monitor: Monitor) -> int:
+    sweep, count = BacklogSweep(), 0
+    while True:
+        count += 1
+        if sweep.add(monitor.backlog_slice(sweep.after_key, timeout=60.0)):
+            return count
 
 
 def claim_ms(table: Table, store: Store, calls: int) -> float:
@@ -80,14 +104,15 @@ def run(ctx: BenchContext) -> list[Result]:
     sizes = (SMALL, large)
     claim_calls = QUICK_CLAIM_CALLS if ctx.quick else CLAIM_CALLS
     query_calls = QUICK_QUERY_CALLS if ctx.quick else QUERY_CALLS
-    statements = {
-        "oldest": ("oldest_pending_age", queries["oldest_pending_age"]),
-        "estimate": ("pending_events_estimate", queries["pending_events_estimate"]),
-    }
+    sample = queries["backlog_slice"]
+    sample_params = {"after_key": "", "slice_keys": SLICE_KEYS}
+    sweep_calls = max(3, query_calls // 10)
+    sweep_statements: dict[int, int] = {}
     samples: dict[str, list[float]] = {}
     fills: dict[int, float] = {}
     with contextlib.ExitStack() as stack:
         tables: dict[int, tuple[Table, Store]] = {}
+        monitors: dict[int, Monitor] = {}
         for size in sizes:
             url = stack.enter_context(ctx.fresh_database(f"bench_backlog_{size}"))
             table = Table(ctx, url, outbox)
@@ -99,23 +124,29 @@ def run(ctx: BenchContext) -> list[Result]:
             store = Store(url, outbox.names)
             stack.callback(store.close)
             tables[size] = (table, store)
+            monitors[size] = Monitor(table.engine, outbox.names)
             claim_ms(table, store, 2)  # warm-up
         for run_index in range(ctx.runs):
             ctx.log(f"{NAME}: run {run_index + 1}/{ctx.runs} (load {load_average()})")
             for size, (table, store) in tables.items():
                 samples.setdefault(f"claim:{size}", []).append(claim_ms(table, store, claim_calls))
-                for key, (_, statement) in statements.items():
-                    samples.setdefault(f"{key}:{size}", []).append(
-                        time_statement(table.engine, statement, query_calls)
-                    )
+                samples.setdefault(f"sample:{size}", []).append(
+                    time_statement(table.engine, sample, query_calls, sample_params)
+                )
+                took, sweep_statements[size] = sweep_ms(monitors[size], sweep_calls)
+                samples.setdefault(f"sweep:{size}", []).append(took)
 
     results: list[Result] = []
     figures = {
         "claim": (f"claim of {BATCH:,} (Store.claim)", claim_calls),
-        **{key: (f"{name} statement", query_calls) for key, (name, _) in statements.items()},
+        "sample": ("backlog sample (one backlog_slice statement)", query_calls),
+        "sweep": ("backlog sweep (Monitor.backlog, every slice)", sweep_calls),
     }
     for key, (label, calls) in figures.items():
         for size in sizes:
+            note = f"median of {calls} calls per run"
+            if key == "sweep":
+                note += f"; {sweep_statements[size]} statement(s) of at most {SLICE_KEYS:,} keys"
             results.append(
                 Result(
                     NAME,
@@ -123,7 +154,7 @@ def run(ctx: BenchContext) -> list[Result]:
                     "ms",
                     tuple(samples[f"{key}:{size}"]),
                     size // PER_KEY,
-                    note=f"median of {calls} calls per run",
+                    note=note,
                     plot=PlotPoint("backlog", label, float(size)),
                 )
             )
@@ -134,9 +165,9 @@ def run(ctx: BenchContext) -> list[Result]:
                 f"{label}: {large:,} ÷ {SMALL:,} pending",
                 "x",
                 paired_ratios(samples[f"{key}:{large}"], samples[f"{key}:{SMALL}"]),
-                target=None if key == "estimate" else TARGET_FLAT,
-                note="reads one row per queued key: grows with the keys"
-                if key == "estimate"
+                target=None if key == "sweep" else TARGET_FLAT,
+                note="reads every queued key, a slice at a time: grows with the keys"
+                if key == "sweep"
                 else "",
             )
         )
@@ -158,10 +189,11 @@ def run(ctx: BenchContext) -> list[Result]:
         "valid envelopes, per-key sequence numbers, counter and key-queue rows) instead of "
         "enqueue_many, which would take minutes for a million; then VACUUM ANALYZE",
         "backlog: claim = Store.claim(batch_size=1,000) (1,000 keys x 1 event), undone "
-        "between calls; oldest_pending_age and pending_events_estimate are the named "
-        "statements of outbox_kafka/schema/sql/queries.sql from "
-        "outbox_kafka.schema.statements.queries_for, "
-        "each executed and committed on a pooled connection; every figure is the median of "
-        "the run's calls, round trip included",
+        "between calls; the sample is the named statement backlog_slice of "
+        "outbox_kafka/schema/sql/queries.sql (from outbox_kafka.schema.statements.queries_for) "
+        f"from the first key, {SLICE_KEYS:,} keys at most, executed and committed on a pooled "
+        "connection; the sweep is outbox_kafka.relay.metrics.Monitor.backlog (the sampler "
+        f"pauses {SLICE_PAUSE} s between its statements, not counted here); every figure is "
+        "the median of the run's calls, round trip included",
     ]
     return results

@@ -73,6 +73,10 @@ class OutboxStats:
         }
 
 
+#: A slice of the backlog sweep that takes every key at once.
+_ALL_KEYS = 2**62
+
+
 def outbox_stats(
     engine: Engine,
     names: TableNames | None = None,
@@ -96,7 +100,10 @@ def outbox_stats(
             for row in conn.execute(q["stats_topic_counts"], {"count_delivered": count_delivered}):
                 counts.setdefault(row.topic, {})[row.status] = int(row.n)
             backlog = conn.execute(q["stats_backlog"]).one()
-            age = conn.execute(q["oldest_pending_age"]).scalar_one()
+            # One slice as large as the key queue: an operator's one-off read.
+            age = conn.execute(
+                q["backlog_slice"], {"after_key": "", "slice_keys": _ALL_KEYS}
+            ).one()[1]
             parked = [
                 ParkedKey.from_row(r)
                 for r in conn.execute(q["stats_parked_keys"], {"limit": max(0, parked_limit)})

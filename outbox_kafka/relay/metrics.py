@@ -368,6 +368,13 @@ class RelayMetrics(RelayObserver):
         self.db_errors.inc()
 
 
+#: The most keys (of the key queue, and of the arrivals) one backlog statement
+#: reads: a larger backlog is read over several statements, SLICE_PAUSE apart.
+SLICE_KEYS = 1_000
+#: Seconds between the statements of one sweep over a backlog of many keys.
+SLICE_PAUSE = 0.2
+
+
 @dataclass(frozen=True)
 class Backlog:
     """One sample of the outbox's backlog."""
@@ -377,12 +384,63 @@ class Backlog:
     parked_keys: int
 
 
+@dataclass(frozen=True)
+class BacklogSlice:
+    """The backlog of one slice of keys (see the backlog_slice statement)."""
+
+    pending: int
+    oldest_age_seconds: float | None
+    parked_keys: int
+    #: The last key of the slice; None when the slice reached the end.
+    last_key: str | None
+
+
+class BacklogSweep:
+    """Slices of the backlog added up, in key order, into one :class:`Backlog`.
+
+    The oldest age is kept as the moment the oldest event found was written
+    (on this process's monotonic clock, from the database's own age of it), so
+    the age the sweep gives at its end includes the time the sweep took.
+    """
+
+    def __init__(self) -> None:
+        self.after_key = ""
+        self.slices = 0
+        self._pending = 0
+        self._parked = 0
+        self._oldest_written: float | None = None
+
+    def add(self, part: BacklogSlice) -> bool:
+        """Add the slice read from :attr:`after_key`; whether the sweep is done."""
+        self.slices += 1
+        self._pending += part.pending
+        self._parked += part.parked_keys
+        if part.oldest_age_seconds is not None:
+            written = time.monotonic() - part.oldest_age_seconds
+            if self._oldest_written is None or written < self._oldest_written:
+                self._oldest_written = written
+        if part.last_key is None:
+            return True
+        self.after_key = part.last_key
+        return False
+
+    def result(self) -> Backlog:
+        oldest = self._oldest_written
+        return Backlog(
+            pending=self._pending,
+            oldest_age_seconds=None if oldest is None else max(0.0, time.monotonic() - oldest),
+            parked_keys=self._parked,
+        )
+
+
 class Monitor:
     """Monitoring reads of one outbox."""
 
-    def __init__(self, engine: Engine, names: TableNames) -> None:
+    def __init__(self, engine: Engine, names: TableNames, *, slice_keys: int = SLICE_KEYS) -> None:
         self._engine = engine
         self._q = queries_for(names)
+        #: The most keys of each table one backlog statement reads.
+        self.slice_keys = slice_keys
 
     @classmethod
     def connect(
@@ -403,27 +461,35 @@ class Monitor:
             conn.execute(self._q["statement_timeout"], {"milliseconds": millis(timeout)})
             conn.execute(self._q["ping"])
 
-    def backlog(self, timeout: float) -> Backlog:
-        """Pending events, the oldest one's age and parked keys, in one snapshot.
+    def backlog_slice(self, after_key: str, timeout: float) -> BacklogSlice:
+        """The keys with work just after ``after_key`` ('' to start), at most
+        :attr:`slice_keys` of them: their pending events, oldest pending age and
+        parked keys, and where the slice ended (None at the end of the sweep).
 
-        Reads the key queue, the key counters and each queued key's first
-        pending event, never the rest of the event rows, so a sample costs
-        one probe per key with work at any backlog.
+        Reads the key queue, the key counters and each key's first pending
+        event, never the rest of the event rows, and never more than a slice of
+        keys, so a statement costs the same at any backlog.
         """
-        with storage_errors("sampling the backlog"), self._engine.connect() as conn:
-            snapshot = conn.execution_options(
-                isolation_level="REPEATABLE READ", postgresql_readonly=True
-            )
-            with snapshot.begin():
-                snapshot.execute(self._q["statement_timeout"], {"milliseconds": millis(timeout)})
-                pending = snapshot.execute(self._q["pending_events_estimate"]).scalar_one()
-                age = snapshot.execute(self._q["oldest_pending_age"]).scalar_one()
-                parked = snapshot.execute(self._q["parked_key_count"]).scalar_one()
-        return Backlog(
-            pending=int(pending),
-            oldest_age_seconds=None if age is None else max(0.0, float(age)),
-            parked_keys=int(parked),
+        with storage_errors("sampling the backlog"), self._engine.begin() as conn:
+            conn.execute(self._q["statement_timeout"], {"milliseconds": millis(timeout)})
+            row = conn.execute(
+                self._q["backlog_slice"],
+                {"after_key": after_key, "slice_keys": self.slice_keys},
+            ).one()
+        return BacklogSlice(
+            pending=int(row.pending),
+            oldest_age_seconds=None if row.oldest_age is None else max(0.0, row.oldest_age),
+            parked_keys=int(row.parked),
+            last_key=row.last_key,
         )
+
+    def backlog(self, timeout: float) -> Backlog:
+        """The whole backlog, one slice after another (``timeout`` for each)."""
+        sweep = BacklogSweep()
+        while True:
+            part = self.backlog_slice(sweep.after_key, timeout)
+            if sweep.add(part):
+                return sweep.result()
 
     def consistency_violations(self, timeout: float) -> int:
         """Keys whose pending events no relay will reach, plus broken queue rows.
@@ -455,14 +521,24 @@ class BacklogSampler:
         # A sample may take at most one interval (and never more than 30 s).
         self._timeout = min(30.0, max(1.0, self.interval))
         self._first = True
+        self._sweep = BacklogSweep()
 
     def sample_once(self) -> Backlog | None:
-        """Take one sample and set the gauges; None (logged and counted) when it failed."""
+        """Read the next slice of the backlog; at the end of a sweep, set the gauges.
+
+        Returns the sample when this slice ended a sweep (a backlog of at most
+        ``SLICE_KEYS`` keys is one slice), else None; None too (logged and
+        counted) when it failed, and the sweep starts over.
+        """
         try:
-            backlog = self._monitor.backlog(self._timeout)
+            part = self._monitor.backlog_slice(self._sweep.after_key, self._timeout)
         except StorageError as exc:
+            self._sweep = BacklogSweep()
             self.observer.sample_failed("backlog", exc)
             return None
+        if not self._sweep.add(part):
+            return None
+        backlog, self._sweep = self._sweep.result(), BacklogSweep()
         self.observer.sampled(backlog.pending, backlog.oldest_age_seconds, backlog.parked_keys)
         self.count_violations()
         return backlog
@@ -482,10 +558,13 @@ class BacklogSampler:
         return violations
 
     def delay(self) -> float:
-        """Seconds to the next sample: none before the first, then the interval."""
+        """Seconds to the next sample: none before the first, SLICE_PAUSE within a
+        sweep, else the interval."""
         if self._first:
             self._first = False
             return 0.0
+        if self._sweep.slices:
+            return min(SLICE_PAUSE, self.interval)
         return self.interval
 
     def stop(self) -> None:

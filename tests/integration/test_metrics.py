@@ -23,7 +23,7 @@ from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import unpark_keys
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.metrics import BacklogSampler, RelayMetrics
+from outbox_kafka.relay.metrics import SLICE_PAUSE, BacklogSampler, Monitor, RelayMetrics
 from outbox_kafka.relay.observe import LogObserver, Observers
 from outbox_kafka.schema.statements import queries_for
 from tests.outage_support import DatabaseSwitch
@@ -401,6 +401,48 @@ def test_a_failed_sample_is_logged_and_counted_and_the_next_one_works(
         sampler.stop()
 
 
+def test_a_backlog_of_more_keys_than_a_slice_is_added_up_over_a_sweep(
+    engine: sa.Engine, database_url: str
+) -> None:
+    outbox = topic_outbox()
+    enqueue_bulk(engine, outbox, seq_events("orders", [f"q{i}" for i in range(7)], 21))
+    admit_arrivals(engine)  # seven keys in the key queue, three events each
+    enqueue_bulk(engine, outbox, seq_events("orders", [f"a{i}" for i in range(5)], 10))
+    enqueue_bulk(engine, outbox, seq_events("orders", ["q3"], 2))  # queued, and arrived again
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE outbox SET created_at = now() - interval '300 s' "
+                "WHERE ordering_key = 'q5' AND seq = 1"
+            )
+        )
+    metrics = RelayMetrics()
+    sampler = BacklogSampler(
+        RelaySettings(database_url, DEAD_BROKER),
+        metrics,
+        monitor=Monitor(engine, NAMES, slice_keys=3),
+    )
+    r = metrics.registry
+    try:
+        assert sampler.delay() == 0  # the first sample
+        partial = 0
+        while (backlog := sampler.sample_once()) is None:
+            partial += 1
+            assert sampler.delay() == SLICE_PAUSE  # within a sweep
+            assert value(r, "outbox_pending_events") == 0  # gauges set once a sweep ends
+        assert partial >= 3  # 12 keys, 3 of each table per slice
+        assert sampler.delay() == sampler.interval
+        assert backlog.pending == 33 == pending_count(engine) == value(r, "outbox_pending_events")
+        assert backlog.oldest_age_seconds is not None and backlog.oldest_age_seconds >= 300
+        assert value(r, "outbox_oldest_pending_age_seconds") >= 300
+        # The monitor reads the same, in one call, as does one slice with room for all.
+        whole = Monitor(engine, NAMES).backlog(timeout=10)
+        assert (whole.pending, whole.parked_keys) == (33, 0)
+        assert whole.oldest_age_seconds is not None and whole.oldest_age_seconds >= 300
+    finally:
+        sampler.stop()
+
+
 def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield node
     for child in node.get("Plans", []):
@@ -408,24 +450,27 @@ def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def test_samples_never_scan_the_events_table(engine: sa.Engine) -> None:
-    """Behind a 30,000-event hot key, each sample statement reads O(keys) rows at most."""
+    """Behind a 30,000-event hot key and 1,000 keys, a sample statement reads one slice."""
     outbox = topic_outbox()
     enqueue_bulk(engine, outbox, seq_events("orders", ["hot"], 30_000))
-    enqueue_bulk(engine, outbox, seq_events("orders", [f"k{i}" for i in range(200)], 200))
+    enqueue_bulk(engine, outbox, seq_events("orders", [f"k{i}" for i in range(1_000)], 1_000))
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE")
-    queries = queries_for(NAMES)
-    for name in ("pending_events_estimate", "oldest_pending_age", "parked_key_count"):
+    # A slice of 100 keys of each table: the statement reads that many keys, whatever
+    # the backlog, and one event row (its first pending one) per key.
+    sql = queries_for(NAMES).sql["backlog_slice"]
+    sql = sql.replace(":after_key", "''").replace(":slice_keys", "100")
+    for name in ("backlog_slice",):
         with engine.connect() as conn:
-            plan = conn.exec_driver_sql(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + queries.sql[name]
-            ).scalar_one()[0]["Plan"]
+            plan = conn.exec_driver_sql("EXPLAIN (ANALYZE, FORMAT JSON) " + sql).scalar_one()[0][
+                "Plan"
+            ]
         for node in _plan_nodes(plan):
             where = node.get("Relation Name") or node.get("Index Name") or ""
             read = node["Actual Rows"] * node["Actual Loops"] + node.get(
                 "Rows Removed by Filter", 0
             )
-            assert read <= 500, f"{name}: {node['Node Type']} on {where} reads {read} rows"
+            assert read <= 250, f"{name}: {node['Node Type']} on {where} reads {read} rows"
             if node.get("Relation Name") == "outbox":
                 assert node.get("Index Name") == "outbox_claim_idx", (
                     f"{name} reads the events table: {json.dumps(plan)[:2000]}"

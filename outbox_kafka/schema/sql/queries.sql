@@ -600,51 +600,72 @@ DELETE FROM {seqs} s
 USING idle i
 WHERE s.ordering_key = i.ordering_key AND s.last_seq = i.last_seq;
 
--- name: oldest_pending_age
--- Seconds since the oldest pending event was written (NULL when none). The
--- events of a key are written in sequence order (the key's counter row is
--- held until commit), so the oldest pending event is the first pending event
--- of one of the queued keys: one probe of the claim index per key with work
--- (in the key queue or among the arrivals), however many events they hold. A
--- pending event whose key is in neither is a consistency violation, counted
--- there, not here.
-WITH queued AS (
-    SELECT ordering_key FROM {keys}
-    UNION
-    SELECT ordering_key FROM {arrivals}
-)
-SELECT EXTRACT(EPOCH FROM now() - min(head.created_at)) AS age
-FROM queued q
-CROSS JOIN LATERAL (
-    SELECT e.created_at FROM {events} e
-    WHERE e.ordering_key = q.ordering_key AND e.status = 'pending'
-    ORDER BY e.seq
-    LIMIT 1
-) head;
-
--- name: pending_events_estimate
--- Pending events without counting event rows: for each queued key, the
--- sequence numbers from its next one to its last one handed out. A parked
--- key's next event is the discarded one it waits behind. Cost: one row per
--- key with work, however many events they hold. Exact unless events were
--- recorded out of turn (delivered behind a held-back retry, left behind by
--- unpark_keys), which are counted until their key moves past them, or
--- unless an arrival is stale (its events done before a relay took it in).
--- Keys still among the arrivals count from their arrival's first_seq.
-WITH queued AS (
+-- name: backlog_slice
+-- One slice of a sweep over the keys with work (the key queue and the
+-- arrivals), in key order from just after :after_key ('' to start), at most
+-- :slice_keys keys of each table: the backlog sampler adds the slices up, so
+-- that no statement reads more than a slice whatever the backlog, and none
+-- holds its snapshot long. No event rows are counted:
+-- * pending: for each key, the sequence numbers from its next one to its last
+--   one handed out (a parked key's next event is the discarded one it waits
+--   behind; keys still among the arrivals count from their first_seq). Exact
+--   unless events were recorded out of turn (delivered behind a held-back
+--   retry, left behind by unpark_keys), counted until their key moves past
+--   them, or an arrival is stale (its events done before a relay took it in);
+-- * oldest_age: seconds since the oldest pending event of the slice was
+--   written (NULL when none). A key's events are written in sequence order (its
+--   counter row is held until commit), so that is the first pending event of
+--   one of its keys: one probe of the claim index per key;
+-- * parked: parked keys of the slice;
+-- * last_key: where the slice ends, NULL when it reached the end of both
+--   tables. It ends where the first table to fill its :slice_keys ends: past
+--   that key, that table has keys not read yet.
+-- A pending event whose key is in neither table is a consistency violation,
+-- counted there, not here.
+WITH queued_keys AS (
     SELECT ordering_key, next_seq, parked_at FROM {keys}
+    WHERE ordering_key > :after_key
+    ORDER BY ordering_key
+    LIMIT :slice_keys
+), arrived AS (
+    SELECT ordering_key, first_seq FROM {arrivals}
+    WHERE ordering_key > :after_key
+    ORDER BY ordering_key
+    LIMIT :slice_keys
+), bound AS (
+    SELECT LEAST(
+        CASE WHEN (SELECT count(*) FROM queued_keys) >= :slice_keys
+             THEN (SELECT max(ordering_key) FROM queued_keys) END,
+        CASE WHEN (SELECT count(*) FROM arrived) >= :slice_keys
+             THEN (SELECT max(ordering_key) FROM arrived) END
+    ) AS last_key
+), queued AS (
+    SELECT k.ordering_key, k.next_seq, k.parked_at
+    FROM queued_keys k CROSS JOIN bound b
+    WHERE b.last_key IS NULL OR k.ordering_key <= b.last_key
     UNION ALL
-    SELECT a.ordering_key, a.first_seq, NULL FROM {arrivals} a
-    WHERE NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = a.ordering_key)
+    SELECT a.ordering_key, a.first_seq, NULL
+    FROM arrived a CROSS JOIN bound b
+    WHERE (b.last_key IS NULL OR a.ordering_key <= b.last_key)
+      AND NOT EXISTS (SELECT 1 FROM {keys} k WHERE k.ordering_key = a.ordering_key)
 )
-SELECT COALESCE(sum(GREATEST(0, s.last_seq - k.next_seq + 1
-                               - CASE WHEN k.parked_at IS NULL THEN 0 ELSE 1 END)), 0)
-       AS pending
-FROM queued k
-JOIN {seqs} s ON s.ordering_key = k.ordering_key;
-
--- name: parked_key_count
-SELECT count(*) AS parked FROM {keys} WHERE parked_at IS NOT NULL;
+-- The counters are looked up key by key (a subquery per row): joined, the
+-- planner hashed the whole counter table for a slice of it.
+SELECT (SELECT COALESCE(sum(GREATEST(0, (SELECT s.last_seq FROM {seqs} s
+                                         WHERE s.ordering_key = q.ordering_key)
+                                        - q.next_seq + 1
+                                        - CASE WHEN q.parked_at IS NULL THEN 0 ELSE 1 END)), 0)
+        FROM queued q) AS pending,
+       (SELECT CAST(EXTRACT(EPOCH FROM now() - min(head.created_at)) AS double precision)
+        FROM queued q
+        CROSS JOIN LATERAL (
+            SELECT e.created_at FROM {events} e
+            WHERE e.ordering_key = q.ordering_key AND e.status = 'pending'
+            ORDER BY e.seq
+            LIMIT 1
+        ) head) AS oldest_age,
+       (SELECT count(*) FROM queued q WHERE q.parked_at IS NOT NULL) AS parked,
+       (SELECT last_key FROM bound) AS last_key;
 
 -- ===========================================================================
 -- Wake-ups: a relay with nothing to do holds the outbox's wake lock
