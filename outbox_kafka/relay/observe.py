@@ -28,6 +28,7 @@ logs, its traces) and adds those it is given.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -65,6 +66,9 @@ sampler_log = logging.getLogger("outbox_kafka.sampler")
 
 #: Holds of one topic for one reason are logged at most this often (all are counted).
 HOLD_LOG_SECONDS = 60.0
+
+#: A subscriber that keeps raising in one announcement is reported at most this often.
+OBSERVER_FAILURE_SECONDS = 10.0
 
 
 class RelayObserver:
@@ -145,19 +149,46 @@ class Observers(RelayObserver):
 
     def __init__(self, observers: Iterable[RelayObserver] = ()) -> None:
         self.observers: list[RelayObserver] = list(observers)
+        #: By (subscriber, announcement): when its last failure was announced.
+        self._failures: dict[tuple[int, str], float] = {}
         #: By ``id()`` of the messages being sent: what each subscriber's
         #: :meth:`before_send` returned, handed back to its :meth:`after_send`.
         self._sending: dict[int, list[list[Message]]] = {}
         self._lock = threading.Lock()
 
-    def claimed(self, claim: Claim, seconds: float) -> None:
+    def _each(self, announcement: str, *args: Any) -> None:
         for o in self.observers:
-            o.claimed(claim, seconds)
+            try:
+                getattr(o, announcement)(*args)
+            except Exception as exc:
+                self._failed(o, announcement, exc)
+
+    def _failed(self, failing: RelayObserver, announcement: str, error: Exception) -> None:
+        """A subscriber raised: the relay goes on, and the others hear of it as a
+        background failure (logged with its traceback and counted), at most every
+        :data:`OBSERVER_FAILURE_SECONDS` for one subscriber's announcement."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._failures.get((id(failing), announcement))
+            if last is not None and now - last < OBSERVER_FAILURE_SECONDS:
+                return
+            self._failures[(id(failing), announcement)] = now
+        task = f"observer {type(failing).__name__}.{announcement}"
+        for o in self.observers:
+            if o is not failing:
+                with contextlib.suppress(Exception):
+                    o.background_failed(task, error)
+
+    def claimed(self, claim: Claim, seconds: float) -> None:
+        self._each("claimed", claim, seconds)
 
     def before_send(self, messages: list[Message]) -> list[Message]:
         returned: list[list[Message]] = []
         for o in self.observers:
-            messages = o.before_send(messages)
+            try:
+                messages = o.before_send(messages)
+            except Exception as exc:
+                self._failed(o, "before_send", exc)  # its change is left out
             returned.append(messages)
         with self._lock:
             self._sending[id(messages)] = returned
@@ -167,71 +198,58 @@ class Observers(RelayObserver):
         with self._lock:
             returned = self._sending.pop(id(messages), None)
         for i, o in enumerate(self.observers):
-            o.after_send(returned[i] if returned else messages, deliveries)
+            try:
+                o.after_send(returned[i] if returned else messages, deliveries)
+            except Exception as exc:
+                self._failed(o, "after_send", exc)
 
     def send_skipped(self, messages: int, lease_left: float) -> None:
-        for o in self.observers:
-            o.send_skipped(messages, lease_left)
+        self._each("send_skipped", messages, lease_left)
 
     def sending_alone(self, messages: int) -> None:
-        for o in self.observers:
-            o.sending_alone(messages)
+        self._each("sending_alone", messages)
 
     def sent(self, claim: Claim, seconds: float) -> None:
-        for o in self.observers:
-            o.sent(claim, seconds)
+        self._each("sent", claim, seconds)
 
     def settled(self, settlement: Settlement) -> None:
-        for o in self.observers:
-            o.settled(settlement)
+        self._each("settled", settlement)
 
     def recorded(self, result: RecordResult, seconds: float) -> None:
-        for o in self.observers:
-            o.recorded(result, seconds)
+        self._each("recorded", result, seconds)
 
     def lease_lost(self, keys: int) -> None:
-        for o in self.observers:
-            o.lease_lost(keys)
+        self._each("lease_lost", keys)
 
     def read_ahead_released(self, keys: int) -> None:
-        for o in self.observers:
-            o.read_ahead_released(keys)
+        self._each("read_ahead_released", keys)
 
     def read_back(self, report: ReadBackReport) -> None:
-        for o in self.observers:
-            o.read_back(report)
+        self._each("read_back", report)
 
     def acknowledged_unrecorded(self, events: int) -> None:
-        for o in self.observers:
-            o.acknowledged_unrecorded(events)
+        self._each("acknowledged_unrecorded", events)
 
     def database_retry(self, attempt: int, error: BaseException | None) -> None:
-        for o in self.observers:
-            o.database_retry(attempt, error)
+        self._each("database_retry", attempt, error)
 
     def background_failed(self, task: str, error: Exception) -> None:
-        for o in self.observers:
-            o.background_failed(task, error)
+        self._each("background_failed", task, error)
 
     def purge_done(self, events: int) -> None:
-        for o in self.observers:
-            o.purge_done(events)
+        self._each("purge_done", events)
 
     def purge_failed(self, error: Exception) -> None:
-        for o in self.observers:
-            o.purge_failed(error)
+        self._each("purge_failed", error)
 
     def sampled(self, pending: int, oldest_age_seconds: float | None, parked_keys: int) -> None:
-        for o in self.observers:
-            o.sampled(pending, oldest_age_seconds, parked_keys)
+        self._each("sampled", pending, oldest_age_seconds, parked_keys)
 
     def violations_counted(self, violations: int) -> None:
-        for o in self.observers:
-            o.violations_counted(violations)
+        self._each("violations_counted", violations)
 
     def sample_failed(self, what: str, error: Exception) -> None:
-        for o in self.observers:
-            o.sample_failed(what, error)
+        self._each("sample_failed", what, error)
 
 
 def event_fields(

@@ -3,6 +3,9 @@ same story, the metrics count it, and one more subscriber can be given to a Rela
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from prometheus_client import CollectorRegistry
 
 from outbox_kafka.relay import Relay, RelayMetrics, RelaySettings
@@ -86,3 +89,54 @@ def test_observers_hand_each_subscriber_back_the_messages_it_returned() -> None:
         ("a", ["t.a"]),
         ("b", ["t.a.b"]),
     ]
+
+
+class _Broken(RelayObserver):
+    """A subscriber with a bug in every announcement it overrides."""
+
+    def before_send(self, messages: list[Message]) -> list[Message]:
+        raise RuntimeError("before_send bug")
+
+    def after_send(self, messages: list[Message], deliveries: object) -> None:
+        raise RuntimeError("after_send bug")
+
+    def recorded(self, result: RecordResult, seconds: float) -> None:
+        raise RuntimeError("recorded bug")
+
+
+def test_a_subscriber_that_raises_is_reported_and_the_relay_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An exception from a subscriber given as Relay(observers=) used to end drain()
+    # and run() (from the background record: after the batch was sent and recorded).
+    store = InMemoryStore()
+    outbox = store.outbox(source="/orders")
+    for n in range(30):
+        outbox.enqueue(None, type="order.created", key=f"k{n % 3}", topic="orders", data={"n": n})
+    metrics = RelayMetrics(CollectorRegistry())
+    recorder = _Recorder()
+    settings = RelaySettings(
+        database_url="postgresql://unused/db", bootstrap_servers="unused:1", batch_size=5
+    )
+    kafka = StubPublisher()
+    relay = Relay(settings, store=store, publisher=kafka, metrics=metrics,
+                  observers=[_Broken(), recorder])  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="outbox_kafka.relay"):
+        report = relay.drain()
+    relay.close()
+    assert report.delivered == 30 and len(kafka.messages("orders")) == 30
+    assert len(recorder.delivered) == 30  # the subscribers after it hear everything
+    failed = sorted(
+        r.task  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "action", "") == "background_error"
+    )
+    # Each failing announcement once: a subscriber failing on every batch is reported
+    # at most every OBSERVER_FAILURE_SECONDS.
+    assert failed == [
+        "observer _Broken.after_send",
+        "observer _Broken.before_send",
+        "observer _Broken.recorded",
+    ]
+    assert all(r.exc_info for r in caplog.records if getattr(r, "action", "") == "background_error")
+    assert _value(metrics, "outbox_background_errors_total") == 3
