@@ -132,9 +132,9 @@ class Relay:
             self.store, settings, self.observer, self.policy.rng, floors=self.recovery is not None
         )
         self.metrics.watch_last_cycle(lambda: self.last_cycle_at)
-        # One batch's outcome is recorded here while the next batch is claimed
-        # and sent: the database and Kafka work overlap, and a key is never in
-        # two batches at once because its lease holds until its record is done.
+        # One batch's outcome is recorded here while the next batch is sent:
+        # the database and Kafka work overlap, and a key is never in two
+        # batches at once because its lease holds until its record is done.
         self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-record")
         self._recording: Future[CycleReport] | None = None
         # Likewise the next claim is read while a batch is being sent. Its keys
@@ -270,12 +270,15 @@ class Relay:
         """One pipelined cycle: (what finished recording meanwhile, whether anything moved).
 
         While this cycle's batch is sent, the next claim is read on its own
-        connection; the previous batch is recorded on a third while this
-        cycle's claim is finished and checked. The record always commits
-        before this batch is produced, so at any moment at most one batch is
-        with Kafka and not yet recorded: all that a killed relay can leave to
-        be sent twice. A key is never in two batches at once: its lease holds
-        from its claim until its record.
+        connection and the previous batch is recorded on a third; this batch's
+        record is handed to the background once the previous one has committed.
+        So at most two batches of a relay loop are sent and not yet recorded at
+        any moment (the one being sent and the one being recorded): what a
+        killed relay leaves to the read-back of the keys' next holder. A key is
+        never in two batches at once: its lease holds from its claim until its
+        record, and the next claim is taken while this batch's keys are leased.
+        When the previous record failed for good (past the shutdown deadline),
+        this batch's is still tried, and no claim after it is sent.
         """
         done = CycleReport()
         try:
@@ -288,16 +291,15 @@ class Relay:
         claim, asked = claimed.claim, claimed.asked
         if not self._stop.is_set() and worth_reading_ahead(claim, asked, self.settings.batch_size):
             self._claiming = self._claimer.submit(self._claim_step.claim)
-        previous = self._await_recording()
-        if previous is None:
-            # The batch before could not be recorded: this one is not sent, so a
-            # relay leaves at most one batch unrecorded. Its keys wait for their lease.
-            return done, False
-        done.add(previous)
         claim, sent = self._send(claimed)
+        previous = self._await_recording()
+        if previous is not None:
+            done.add(previous)
         if sent.sent:
             self._recording = self._recorder.submit(self._record, claim, sent)
             return done, True
+        if previous is None:
+            return done, False
         try:
             report = self._record(claim, sent)
         except StorageError as exc:

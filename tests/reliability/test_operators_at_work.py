@@ -610,7 +610,8 @@ def test_operators_relays_and_writers_at_once(
         {i for i, key in fair_records if key == HOT}
     )
 
-    # What relay-a's sessions left unrecorded at shutdown: at most a batch per outbox loop.
+    # What relay-a's sessions left unrecorded at shutdown: at most two batches per outbox
+    # loop (one being sent, one being recorded), two loops.
     unrecorded = [
         session.count("could not record a batch before shutdown")
         for session in relay_a.log().split("---- start")
@@ -648,7 +649,7 @@ def test_operators_relays_and_writers_at_once(
     # database cut left unrecorded is read back by the next holder of its keys.
     assert duplicated == 0, (duplicated, kills, outages)
     assert fair_duplicated == hot_duplicated == 0, (fair_duplicated, hot_duplicated)
-    assert max(unrecorded) <= 2, unrecorded
+    assert max(unrecorded) <= 4, unrecorded
     assert fairness.judged > 0, fairness
     assert not fairness.past, fairness.past[:10]
     assert operator.done["by_id"] + operator.done["by_key"] + operator.done["by_time"] > 0
