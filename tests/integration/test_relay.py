@@ -32,7 +32,7 @@ from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYT
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
 from outbox_kafka.relay import CycleReport, Relay
-from outbox_kafka.relay.batch import EventOutcome, KeyOutcome
+from outbox_kafka.relay.batch import Claim, EventOutcome, KeyOutcome
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.store import Store
@@ -1071,19 +1071,19 @@ def test_a_batch_is_sent_while_the_one_before_it_is_recorded_and_no_further_ahea
     topic = new_topic(2)
     events = seq_events(topic, [f"k{i}" for i in range(400)], 2_000)
     ids = enqueue_bulk(engine, topic_outbox(), events)
-    relay = Relay(make_settings(database_url, kafka_bootstrap, batch_size=200))
-    send, record = relay._send, relay.store.record
     lock = threading.Lock()
     sent: list[str] = []  # claim tokens, in the order their batches were sent
     recorded: set[str] = set()
-    unrecorded_at_send: list[int] = []  # batches sent and unrecorded as each send starts
+    unrecorded_at_send: list[int] = []  # batches before it unrecorded as each send ends
 
-    def watched_send(claimed: Any) -> Any:
-        with lock:
-            unrecorded_at_send.append(sum(1 for t in sent if t not in recorded))
-            if claimed.claim.keys:  # an empty claim has nothing to record
-                sent.append(str(claimed.claim.token))
-        return send(claimed)
+    class Watch(RelayObserver):
+        def sent(self, claim: Claim, seconds: float) -> None:
+            with lock:
+                unrecorded_at_send.append(sum(1 for t in sent if t not in recorded))
+                sent.append(str(claim.token))
+
+    relay = Relay(make_settings(database_url, kafka_bootstrap, batch_size=200), observers=[Watch()])
+    record = relay.store.record
 
     def slow_record(token: Any, *args: Any, **kwargs: Any) -> Any:
         time.sleep(0.2)
@@ -1092,7 +1092,6 @@ def test_a_batch_is_sent_while_the_one_before_it_is_recorded_and_no_further_ahea
             recorded.add(str(token))
         return result
 
-    relay._send = watched_send  # type: ignore[method-assign]
     relay.store.record = slow_record  # type: ignore[method-assign]
     try:
         report = relay.drain()
