@@ -30,6 +30,7 @@ from . import (
     business,
     hotkey,
     latency,
+    peers,
     plots,
     producer,
     relay,
@@ -113,6 +114,13 @@ BENCHES: list[Bench] = [
         latency.NAME,
         latency.run,
         "commit-to-ack latency at 100, 1,000 and 5,000 events/s, LISTEN on and off",
+        needs_kafka=True,
+    ),
+    Bench(
+        peers.NAME,
+        peers.run,
+        "our relay against faststream-outbox and omni-box (their own virtualenv): "
+        "events/s with start-up, steady and on hot keys, every event checked on the topic",
         needs_kafka=True,
     ),
 ]
