@@ -412,14 +412,21 @@ class Relay:
         ):
             # A batch of the session may be on Kafka unrecorded: its floors stay.
             doubts = replace(doubts, floors={})
-        result = self._db.run(
-            lambda: (
-                self.store.record(claim.token, sent.keys, sent.events)
-                if doubts is None
-                else self.store.record(claim.token, sent.keys, sent.events, doubts)
-            ),
-            stop_on_shutdown=False,
-        )
+        try:
+            result = self._db.run(
+                lambda: (
+                    self.store.record(claim.token, sent.keys, sent.events)
+                    if doubts is None
+                    else self.store.record(claim.token, sent.keys, sent.events, doubts)
+                ),
+                stop_on_shutdown=False,
+            )
+        except StorageError:
+            if self.recovery is not None and sent.sent:
+                # The batch stays on Kafka unrecorded: the next batch of its session,
+                # sent meanwhile, must not raise the floors past it.
+                self.recovery.close(claim.session)
+            raise
         self.observer.recorded(result, time.monotonic() - started)
         report.keys_removed = result.keys_removed
         report.delivered = result.delivered

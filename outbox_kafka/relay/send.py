@@ -744,18 +744,20 @@ class Publisher:
         delivered and a message timed out, the producer is rebuilt if the broker
         answers; a broker that is down is waited for as before.
         """
-        if any(d.verdict == Verdict.DELIVERED for d in deliveries):
-            self._stalled_batches = 0
-            return
-        if not any(d.reported and d.may_have_landed for d in deliveries):
-            return  # nothing timed out: refusals, or a wait that was cut short
-        self._stalled_batches += 1
-        if self._stalled_batches < STALLED_BATCHES:
-            return
+        with self._lock:
+            if producer is not self._producer:
+                return  # a batch of a producer replaced meanwhile says nothing of this one
+            if any(d.verdict == Verdict.DELIVERED for d in deliveries):
+                self._stalled_batches = 0
+                return
+            if not any(d.reported and d.may_have_landed for d in deliveries):
+                return  # nothing timed out: refusals, or a wait that was cut short
+            self._stalled_batches += 1
+            if self._stalled_batches < STALLED_BATCHES:
+                return
         problem = self.broker_problem(self._metadata_timeout)
         if problem is not None:
             return  # the broker is away: a new producer would not help
-        self._stalled_batches = 0
         self.rebuild(
             producer,
             why=f"{STALLED_BATCHES} batches in a row timed out while the broker answers",
@@ -790,6 +792,7 @@ class Publisher:
         with self._lock:
             if failed is not None and failed is not self._producer:
                 return
+            self._stalled_batches = 0
             log.warning(
                 "rebuilding the Kafka producer after %s",
                 why,

@@ -3,10 +3,13 @@ and their floors, keys in doubt, and the read-back before a key in doubt is sent
 
 from __future__ import annotations
 
+import threading
+import uuid
 from typing import Any
 
+from outbox_kafka.errors import StorageError
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batch import Floor, Verdict
+from outbox_kafka.relay.batch import EventStatus, Floor, Verdict
 from outbox_kafka.relay.ports import Message
 from outbox_kafka.relay.recover import ReadBackError, key_partition
 from outbox_kafka.testing import InMemoryStore, StubPublisher, StubReader
@@ -293,3 +296,44 @@ def test_a_key_with_events_on_topics_of_different_sizes_goes_to_each_topics_own_
         key_partition(b"customer-3", 6),
         key_partition(b"customer-3", 2),
     ] * 2
+
+
+class _FirstRecordFails(InMemoryStore):
+    """Every record of the first claim that is recorded fails (a database gone for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing: uuid.UUID | None = None
+        self.attempts = threading.Semaphore(0)
+
+    def record(self, token, keys, events, doubts=None):  # type: ignore[no-untyped-def]
+        if self.failing is None:
+            self.failing = token
+        if token == self.failing:
+            self.attempts.release()
+            raise StorageError("connection refused")
+        return super().record(token, keys, events, doubts)
+
+
+def test_a_batch_whose_record_failed_keeps_the_floors_below_it() -> None:
+    # Batch 2 is sent while batch 1's record retries. Stopped, batch 1's record gives
+    # up; batch 2's then commits, and must not raise the session's floors past
+    # batch 1's messages, or the heir's read-back would start above them and send
+    # them again.
+    store = _FirstRecordFails()
+    for key in "abcdefgh":
+        enqueue(store, key, 1)
+    publisher = StubPublisher(partitions={"t": 1})
+    r = relay(store, publisher, batch_size=4, shutdown_timeout=0.01)
+    draining = threading.Thread(target=r.drain)
+    draining.start()
+    for _ in range(3):  # batch 1's record is being retried: batch 2 is out
+        assert store.attempts.acquire(timeout=10)
+    r.stop()
+    draining.join(timeout=10)
+    r.close()
+    assert not draining.is_alive()
+    assert [len(batch) for batch in publisher.sends] == [4, 4]
+    assert sum(1 for e in store.events() if e.status == EventStatus.DELIVERED) == 4  # batch 2
+    # Batch 1 landed at offsets 0-3 of the one partition: the floor stays at 0.
+    assert [(f.partition, f.offset) for f in store.floors()] == [(0, 0)]
