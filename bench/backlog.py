@@ -11,7 +11,7 @@ and table, interleaved:
   and ``outbox_parked_keys``), from the first key, on a pooled connection,
   round trip included. It reads at most ``SLICE_KEYS`` keys of each table, so
   it is expected to stay flat;
-* a sweep: ``Monitor.backlog``, every slice of the backlog one after another
+* a sweep: ``Monitor.sweep``, every slice of the backlog one after another
   (without the sampler's pauses between them), and how many statements it
   took: the gauges' whole refresh, expected to grow with the keys.
 
@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Engine, TextClause
 
 from outbox_kafka import Outbox
-from outbox_kafka.relay.metrics import SLICE_KEYS, SLICE_PAUSE, BacklogSweep, Monitor
+from outbox_kafka.relay.metrics import SLICE_KEYS, SLICE_PAUSE, Monitor
 from outbox_kafka.relay.store import Store
 from outbox_kafka.schema.statements import queries_for
 
@@ -70,19 +70,12 @@ def time_statement(
 def sweep_ms(monitor: Monitor, calls: int) -> tuple[float, int]:
     """Median milliseconds of ``calls`` whole sweeps, and the statements one takes."""
     times = []
+    statements = 0
     for _ in range(calls):
         start = time.perf_counter()
-        monitor.backlog(timeout=60.0)
+        statements = monitor.sweep(timeout=60.0).slices
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, statements_per_sweep(monitor)
-
-
-def statements_per_sweep(monitor: Monitor) -> int:
-    sweep, count = BacklogSweep(), 0
-    while True:
-        count += 1
-        if sweep.add(monitor.backlog_slice(sweep.after_key, timeout=60.0)):
-            return count
+    return statistics.median(times) * 1e3, statements
 
 
 def claim_ms(table: Table, store: Store, calls: int) -> float:
@@ -140,7 +133,7 @@ def run(ctx: BenchContext) -> list[Result]:
     figures = {
         "claim": (f"claim of {BATCH:,} (Store.claim)", claim_calls),
         "sample": ("backlog sample (one backlog_slice statement)", query_calls),
-        "sweep": ("backlog sweep (Monitor.backlog, every slice)", sweep_calls),
+        "sweep": ("backlog sweep (Monitor.sweep, every slice)", sweep_calls),
     }
     for key, (label, calls) in figures.items():
         for size in sizes:
@@ -192,7 +185,7 @@ def run(ctx: BenchContext) -> list[Result]:
         "between calls; the sample is the named statement backlog_slice of "
         "outbox_kafka/schema/sql/queries.sql (from outbox_kafka.schema.statements.queries_for) "
         f"from the first key, {SLICE_KEYS:,} keys at most, executed and committed on a pooled "
-        "connection; the sweep is outbox_kafka.relay.metrics.Monitor.backlog (the sampler "
+        "connection; the sweep is outbox_kafka.relay.metrics.Monitor.sweep (the sampler "
         f"pauses {SLICE_PAUSE} s between its statements, not counted here); every figure is "
         "the median of the run's calls, round trip included",
     ]

@@ -101,9 +101,11 @@ def outbox_stats(
                 counts.setdefault(row.topic, {})[row.status] = int(row.n)
             backlog = conn.execute(q["stats_backlog"]).one()
             # One slice as large as the key queue: an operator's one-off read.
-            age = conn.execute(
-                q["backlog_slice"], {"after_key": "", "slice_keys": _ALL_KEYS}
-            ).one()[1]
+            age = (
+                conn.execute(q["backlog_slice"], {"after_key": "", "slice_keys": _ALL_KEYS})
+                .one()
+                .oldest_age
+            )
             parked = [
                 ParkedKey.from_row(r)
                 for r in conn.execute(q["stats_parked_keys"], {"limit": max(0, parked_limit)})

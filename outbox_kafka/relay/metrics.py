@@ -483,13 +483,16 @@ class Monitor:
             last_key=row.last_key,
         )
 
-    def backlog(self, timeout: float) -> Backlog:
-        """The whole backlog, one slice after another (``timeout`` for each)."""
+    def sweep(self, timeout: float) -> BacklogSweep:
+        """Every slice of the backlog, one after another (``timeout`` for each)."""
         sweep = BacklogSweep()
-        while True:
-            part = self.backlog_slice(sweep.after_key, timeout)
-            if sweep.add(part):
-                return sweep.result()
+        while not sweep.add(self.backlog_slice(sweep.after_key, timeout)):
+            pass
+        return sweep
+
+    def backlog(self, timeout: float) -> Backlog:
+        """The whole backlog, read in one sweep."""
+        return self.sweep(timeout).result()
 
     def consistency_violations(self, timeout: float) -> int:
         """Keys whose pending events no relay will reach, plus broken queue rows.
