@@ -216,6 +216,17 @@ class InMemoryStore:
         keys = [key] if key is not None else sorted(self._keys)
         return [e for k in keys if k in self._keys for e in self._keys[k].events]
 
+    def claimable_at(self, key: str) -> float | None:
+        """When a claim may next take ``key``, on the store's clock: its due time, or
+        its lease's end when that is later; None while it cannot be claimed at all
+        (not in the queue, or parked)."""
+        state = self._keys.get(key)
+        if state is None or not state.queued or state.parked:
+            return None
+        if state.token is not None:
+            return max(state.due_at, state.lease_until)
+        return state.due_at
+
     def parked_keys(self) -> list[str]:
         return sorted(k for k, s in self._keys.items() if s.parked)
 

@@ -105,3 +105,32 @@ def test_a_requeue_does_not_cut_short_the_wait_for_a_message_that_may_land() -> 
             ("relay_stops_while_the_database_is_down", {"index": 0}),
         ]
     )
+
+
+def test_a_key_with_a_message_in_the_producer_is_not_claimable_behind_a_retried_one() -> None:
+    """The retried-key branch ran before the check for unreported messages: key a
+    was handed back after its retry's backoff (0.2 s) while its later message could
+    still land (24 s), and only a send within that window showed it."""
+    _run(
+        [
+            ("configure", {"batch_size": 2, "max_claim_bytes": 2000, "on_exhausted": "continue"}),
+            ("relays_stop_waiting_for_reports_early", {"cut_short": True}),
+            ("weather", {"topic": "t1", "weather": "transient"}),
+            ("writers_commit_at_once", {"keys": ["a", "a"], "padding": 0, "topic": "t1"}),
+            ("relay_drains", {"index": 0}),
+        ]
+    )
+
+
+def test_a_relay_whose_record_failed_at_shutdown_sends_no_further_batch() -> None:
+    """A drain went on after a record failed for good at shutdown and sent the batch
+    read ahead: three batches of one relay loop sent and never recorded."""
+    _run(
+        [
+            ("configure", {"batch_size": 2, "max_claim_bytes": 2000, "on_exhausted": "continue"}),
+            ("writers_commit_at_once", {"keys": ["a", "a", "c", "c"], "padding": 0, "topic": "t1"}),
+            ("relay_cycles", {"cycles": 1, "index": 0}),
+            ("writers_commit_at_once", {"keys": ["a", "b"], "padding": 0, "topic": "t1"}),
+            ("relay_stops_while_the_database_is_down", {"index": 0}),
+        ]
+    )

@@ -19,8 +19,8 @@ After every step it checks what the documentation promises
 - nothing discarded but what the broker refuses on its own;
 - no attempt counted against an event the broker did not fail (a fenced
   producer is not the event's fault);
-- no key sent while a message of it may still land (an unreported message,
-  within its delivery timeout);
+- no key sent, nor claimable, while a message of it may still land (an
+  unreported message, within its delivery timeout);
 - no due key left out of a claim by the byte budget while keys that became
   due after it are served, more than ``FAIRNESS_BOUND`` claims in a row;
 - at most two batches per relay sent and never recorded (a batch is recorded
@@ -463,6 +463,7 @@ class RelayModel(RuleBasedStateMachine):
             self._check_order()
             self._check_discards()
             self._check_attempts()
+            self._check_held_while_in_producer()
 
     def _check_order(self) -> None:
         seen: set[str] = set()
@@ -485,6 +486,19 @@ class RelayModel(RuleBasedStateMachine):
                     f"key {written.key}: event {written.order} discarded, though the broker "
                     f"takes it alone: {stored.error}"
                 )
+
+    def _check_held_while_in_producer(self) -> None:
+        """A key with a message that may still land is not claimable before that
+        message's delivery timeout ends, whatever else holds the key: caught when the
+        key is handed back, not only if a relay happens to send it again in time."""
+        now = self.clock.now
+        for zombie in self.cluster.zombies:
+            key = zombie.message.key.decode()
+            at = self.store.claimable_at(key)
+            assert at is None or at >= zombie.deadline, (
+                f"key {key} may be claimed in {at - now:.1f} s, while a message of it "
+                f"may still land for {zombie.deadline - now:.1f} s"
+            )
 
     def _check_attempts(self) -> None:
         for stored in self.store.events():
@@ -524,6 +538,17 @@ class RelayModel(RuleBasedStateMachine):
             )
             if poisoned:
                 self.cluster.poisoned.add(stored.event_id)
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=2, max_size=6),
+        topic=st.sampled_from(TOPICS),
+        padding=st.sampled_from([0, 2500]),
+    )
+    def writers_commit_at_once(self, keys: list[str], topic: str, padding: int) -> None:
+        """Several writers commit an event each at once: a backlog of several
+        batches (one key each when the events are larger than the byte budget)."""
+        for key in keys:
+            self.write(key=key, topic=topic, padding=padding, poisoned=False, delay=0.0)
 
     # -------------------------------------------------------------- the cluster
 

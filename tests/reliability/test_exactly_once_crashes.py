@@ -289,12 +289,18 @@ class Crashes:
                 return True
         return False
 
-    def busy_with_a_burst(self, relay: RelayProcess) -> bool:
+    def busy_with_a_burst(self, relay: RelayProcess, tries: int = 3) -> bool:
         """Commit a burst and wait until ``relay`` has had a batch acknowledged since: it
-        is busy with the burst, for a couple of hundred milliseconds."""
+        is busy with the burst, for a couple of hundred milliseconds. The other relay
+        may take a whole burst before ``relay`` acknowledges one of its batches (on a
+        busy machine, or while ``relay`` reads back what its last life left): then
+        another burst is committed, up to ``tries`` in all."""
         self.healthy(relay)
-        self.burst().join(60)
-        return self.rises(relay, ACKNOWLEDGED)
+        for _ in range(tries):
+            self.burst().join(60)
+            if self.rises(relay, ACKNOWLEDGED):
+                return True
+        return False
 
     def marks(self) -> tuple[int, int]:
         return len(self.a.log()), len(self.b.log())
