@@ -43,15 +43,25 @@ def check_database(
     q = queries_for(names)
     try:
         with engine.connect() as conn:
-            version = conn.execute(q["server_version"]).scalar_one()
-            migration = _check_migrations(conn, names)
+            version, role = conn.execute(q["server_version"]).one()
+            try:
+                migration = _check_migrations(conn, names)
+            except (SQLAlchemyError, OutboxError) as exc:
+                # Connected, but this role may not read the outbox's migrations.
+                migration = CheckResult(
+                    "migrations",
+                    False,
+                    f"cannot read the migrations of {names.qualified_events} "
+                    f"as {role}: {_reason(exc)}",
+                )
             conn.rollback()
     except (SQLAlchemyError, OutboxError) as exc:
         return (
             CheckResult("database", False, f"cannot connect to {shown_url}: {_reason(exc)}"),
             CheckResult("migrations", False, "not checked: no database connection"),
         )
-    return CheckResult("database", True, f"{shown_url} (PostgreSQL {version})"), migration
+    detail = f"{shown_url} (PostgreSQL {version}, connected as {role})"
+    return CheckResult("database", True, detail), migration
 
 
 def _check_migrations(conn: Connection, names: TableNames) -> CheckResult:

@@ -1128,4 +1128,6 @@ ORDER BY count(*) DESC, topic
 LIMIT :topic_limit;
 
 -- name: server_version
-SELECT current_setting('server_version') AS version;
+-- The server's version, and the role this session is (a URL's ?user= names
+-- another role than its user part).
+SELECT current_setting('server_version') AS version, CAST(current_user AS text) AS role_name;
