@@ -47,6 +47,8 @@ def check_database(
             try:
                 migration = _check_migrations(conn, names)
             except (SQLAlchemyError, OutboxError) as exc:
+                if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                    raise  # the connection went away: the database line says so
                 # Connected, but this role may not read the outbox's migrations.
                 migration = CheckResult(
                     "migrations",

@@ -8,7 +8,9 @@ from outbox_kafka.cli.output import check_text
 from outbox_kafka.operations import CheckResult, ConsistencyReport, Violation
 
 CHECKS = [
-    CheckResult("database", True, "postgresql://relay:***@db/app (PostgreSQL 15.19)"),
+    CheckResult(
+        "database", True, "postgresql://relay:***@db/app (PostgreSQL 15.19, connected as relay)"
+    ),
     CheckResult("migrations", True, "public.outbox is at version 5 (current)"),
 ]
 
@@ -56,6 +58,6 @@ def test_violations_follow_the_consistency_line() -> None:
 
 def test_without_a_consistency_report_only_the_checks_are_listed() -> None:
     assert check_text(CHECKS).splitlines() == [
-        "OK   database    postgresql://relay:***@db/app (PostgreSQL 15.19)",
+        "OK   database    postgresql://relay:***@db/app (PostgreSQL 15.19, connected as relay)",
         "OK   migrations  public.outbox is at version 5 (current)",
     ]

@@ -194,3 +194,33 @@ def test_requeue_and_unpark_do_what_the_operator_commands_do() -> None:
     assert store.requeue([store.events("k")[0].event_id]) == 1
     Relay(settings, store=store, publisher=kafka).drain()
     assert [e.status for e in store.events("k")] == ["delivered", "delivered"]
+
+
+def test_claimable_at_is_when_a_claim_takes_the_key_next() -> None:
+    store, clock = _store()
+    assert store.claimable_at("k") is None  # no such key
+    store.append("k", "t", b"x", delay=5.0)
+    at = store.claimable_at("k")
+    assert at == 5.0
+    clock.now = at - 0.5
+    assert _claim(store, 1 << 20).keys == []
+    clock.now = at
+    claim = _claim(store, 1 << 20)
+    assert [k.key for k in claim.keys] == ["k"]
+    # Leased: not before the lease ends, however the key was due.
+    assert store.claimable_at("k") == at + 30
+    clock.now = at + 29.5
+    assert _claim(store, 1 << 20).keys == []
+    # Recorded with a delay: the delay from the record, the lease gone.
+    store.record(claim.token, [KeyOutcome("k", 1, 7.0, False, False)], [])
+    assert store.claimable_at("k") == at + 29.5 + 7.0
+    # Parked: no claim takes it, whatever the time.
+    store.record(_claim_at(store, clock, at + 40).token, [KeyOutcome("k", 1, 0.0, True, False)], [])
+    assert store.claimable_at("k") is None
+    clock.now = at + 1000
+    assert _claim(store, 1 << 20).keys == []
+
+
+def _claim_at(store: InMemoryStore, clock: _Clock, now: float) -> Claim:
+    clock.now = now
+    return _claim(store, 1 << 20)
