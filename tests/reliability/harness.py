@@ -464,6 +464,9 @@ class Audit:
     #: Delivered events whose recorded (partition, offset) holds another message.
     wrong_marks: list[str]
     statuses: dict[str, int] = field(default_factory=dict)
+    #: Per lost event: its key, sequence number and status, where it is recorded
+    #: as delivered, and what Kafka holds there.
+    lost_detail: list[str] = field(default_factory=list)
 
     def explain(self) -> str:
         return (
@@ -472,7 +475,8 @@ class Audit:
             f"inconsistent={len(self.inconsistent_copies)} phantoms={len(self.phantoms)} "
             f"not_marked={len(self.not_marked)} wrong_marks={len(self.wrong_marks)} "
             f"statuses={self.statuses}\n"
-            f"lost: {self.lost[:5]}\norder: {self.order_violations[:5]}\n"
+            f"lost: {self.lost_detail[:10] or self.lost[:5]}\n"
+            f"order: {self.order_violations[:5]}\n"
             f"inconsistent: {self.inconsistent_copies[:5]}\nphantoms: {self.phantoms[:5]}\n"
             f"not marked: {self.not_marked[:5]}\nwrong marks: {self.wrong_marks[:5]}"
         )
@@ -564,11 +568,13 @@ def audit(
     ]
     copies: dict[str, list[Record]] = defaultdict(list)
     at: set[tuple[int, int, str]] = set()
+    held_at: dict[tuple[int, int], list[str]] = defaultdict(list)
     first_seen: dict[str, list[int]] = defaultdict(list)
     phantoms = []
     for rec in ordered:
         event_id = rec.event_id
         at.add((rec.partition, rec.offset, event_id))
+        held_at[(rec.partition, rec.offset)].append(event_id or "<no event id>")
         if event_id not in events:
             phantoms.append(event_id or f"<no event id at {rec.partition}/{rec.offset}>")
             continue
@@ -599,6 +605,16 @@ def audit(
 
     expected_off = {i for i, r in events.items() if discarded and r[3] == "discarded"}
     lost = [i for i in events if i not in copies and i not in expected_off]
+    lost_detail = [
+        f"{i} (key {events[i][1]} seq {events[i][2]}, {events[i][3]}"
+        + (
+            f" at {events[i][4]}/{events[i][5]}, which holds "
+            f"{held_at.get((events[i][4], events[i][5])) or 'nothing read'})"
+            if events[i][4] is not None
+            else ")"
+        )
+        for i in lost
+    ]
     not_marked = [
         i
         for i, r in events.items()
@@ -620,6 +636,7 @@ def audit(
         not_marked=not_marked,
         wrong_marks=wrong_marks,
         statuses=dict(statuses),
+        lost_detail=lost_detail,
     )
 
 
