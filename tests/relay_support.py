@@ -156,7 +156,16 @@ def _to_record(msg: Any) -> Record:
 
 
 class TopicReader:
-    """Reads a topic from the beginning of every partition, incrementally."""
+    """Reads a topic from the beginning of every partition, incrementally.
+
+    The test broker can make a record batch readable after a later one of the same
+    partition (two producers appending at once): a consumer that fetched the later
+    one has moved past the earlier one and never returns to it. The reader keeps,
+    per partition, the first offset it has not read; when it has read past a gap
+    it goes back to the gap, and skips what it has read already. A gap never closes
+    on a broker that leaves offsets out (compaction, transaction markers): none of
+    the topics these tests read has either.
+    """
 
     def __init__(self, bootstrap: str, topic: str, *, timeout: float = 30.0) -> None:
         self.topic = topic
@@ -179,6 +188,13 @@ class TopicReader:
         # later batch and the earlier ones would never be read. (Were 0 out
         # of range, auto.offset.reset still falls back to the earliest offset.)
         self._consumer.assign([TopicPartition(topic, p, 0) for p in self.partitions])
+        #: Per partition: the offsets read, and the first offset not read yet.
+        self._read: dict[int, set[int]] = {p: set() for p in self.partitions}
+        self._first_unread: dict[int, int] = dict.fromkeys(self.partitions, 0)
+        #: Records read again after going back to a gap (and skipped).
+        self.reread = 0
+        #: Times the reader went back to a gap.
+        self.gaps = 0
 
     def poll(self, seconds: float) -> int:
         """Read for up to ``seconds``; return how many records arrived."""
@@ -195,8 +211,33 @@ class TopicReader:
                     if err.code() == KafkaError._PARTITION_EOF:
                         continue
                     raise AssertionError(f"consumer error: {err}")
+                if not self._take(msg.partition(), msg.offset()):
+                    self.reread += 1
+                    continue
                 self.records.append(_to_record(msg))
                 got += 1
+            self._back_to_gaps()
+
+    def _take(self, partition: int, offset: int) -> bool:
+        """Note ``offset`` of ``partition`` as read; False if it was read before."""
+        first = self._first_unread.get(partition, 0)
+        beyond = self._read.setdefault(partition, set())
+        if offset < first or offset in beyond:
+            return False
+        beyond.add(offset)
+        while first in beyond:  # only offsets past the first unread one are kept
+            beyond.discard(first)
+            first += 1
+        self._first_unread[partition] = first
+        return True
+
+    def _back_to_gaps(self) -> None:
+        """Go back to the first unread offset of each partition read past it."""
+        for partition, read in self._read.items():
+            if read:  # offsets read beyond one not read yet
+                self.gaps += 1
+                first = self._first_unread[partition]
+                self._consumer.seek(TopicPartition(self.topic, partition, first))
 
     def until(self, expected: int, timeout: float) -> list[Record]:
         """Read until ``expected`` distinct event ids have arrived, or ``timeout`` runs out."""
