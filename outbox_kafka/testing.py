@@ -221,11 +221,7 @@ class InMemoryStore:
         its lease's end when that is later; None while it cannot be claimed at all
         (not in the queue, or parked)."""
         state = self._keys.get(key)
-        if state is None or not state.queued or state.parked:
-            return None
-        if state.token is not None:
-            return max(state.due_at, state.lease_until)
-        return state.due_at
+        return None if state is None else _claimable_at(state)
 
     def parked_keys(self) -> list[str]:
         return sorted(k for k, s in self._keys.items() if s.parked)
@@ -294,10 +290,7 @@ class InMemoryStore:
             (
                 (name, state)
                 for name, state in self._keys.items()
-                if not state.parked
-                and state.due_at <= now
-                and (state.token is None or state.lease_until <= now)
-                and state.queued
+                if (at := _claimable_at(state)) is not None and at <= now
             ),
             key=lambda item: (item[1].due_at, item[0]),
         )[: max_keys or batch_size]
@@ -557,6 +550,16 @@ class InMemoryStore:
     def _owns(self, key: str, token: uuid.UUID) -> bool:
         state = self._keys.get(key)
         return state is not None and state.token == token
+
+
+def _claimable_at(state: _Key) -> float | None:
+    """When a claim may take the key of ``state``: its due time, or its lease's end
+    when later; None while it is out of the queue or parked."""
+    if not state.queued or state.parked:
+        return None
+    if state.token is not None:
+        return max(state.due_at, state.lease_until)
+    return state.due_at
 
 
 def _pending(state: _Key) -> list[StoredEvent]:

@@ -188,7 +188,8 @@ class TopicReader:
         # later batch and the earlier ones would never be read. (Were 0 out
         # of range, auto.offset.reset still falls back to the earliest offset.)
         self._consumer.assign([TopicPartition(topic, p, 0) for p in self.partitions])
-        #: Per partition: the offsets read, and the first offset not read yet.
+        #: Per partition: the offsets read past the first one not read yet (empty
+        #: while the reader has no gap), and that first unread offset.
         self._read: dict[int, set[int]] = {p: set() for p in self.partitions}
         self._first_unread: dict[int, int] = dict.fromkeys(self.partitions, 0)
         #: Records read again after going back to a gap (and skipped).

@@ -215,12 +215,8 @@ def test_claimable_at_is_when_a_claim_takes_the_key_next() -> None:
     store.record(claim.token, [KeyOutcome("k", 1, 7.0, False, False)], [])
     assert store.claimable_at("k") == at + 29.5 + 7.0
     # Parked: no claim takes it, whatever the time.
-    store.record(_claim_at(store, clock, at + 40).token, [KeyOutcome("k", 1, 0.0, True, False)], [])
+    clock.now = at + 40
+    store.record(_claim(store, 1 << 20).token, [KeyOutcome("k", 1, 0.0, True, False)], [])
     assert store.claimable_at("k") is None
     clock.now = at + 1000
     assert _claim(store, 1 << 20).keys == []
-
-
-def _claim_at(store: InMemoryStore, clock: _Clock, now: float) -> Claim:
-    clock.now = now
-    return _claim(store, 1 << 20)
