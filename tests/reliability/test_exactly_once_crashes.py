@@ -29,6 +29,7 @@ most one batch of duplicates, and the frozen relay counts every one in
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 import uuid
@@ -56,6 +57,9 @@ from tests.reliability.harness import (
 from tests.reliability.report import size
 
 BATCH = 200
+#: The frozen relay's producer puts at most this many messages of a partition in one
+#: request (batch.num.messages).
+REQUEST_SHARE = 10
 LEASE = 4.0
 RELAY = (
     "--lease-seconds", str(LEASE), "--delivery-timeout-ms", "2000",
@@ -603,6 +607,10 @@ class Freeze:
     #: Whether B was frozen inside a database transaction.
     in_transaction: bool
     duplicates: int
+    #: The most record batches the freeze's duplicates lie in on one partition (runs
+    #: of consecutive offsets, each at most one request's share of a partition): 1 or
+    #: less, and they could all have come in one request.
+    record_batches: int
     #: B's outbox_acknowledged_unrecorded_total after the freeze, less before it.
     acknowledged_unrecorded: int
     #: The events of B's acknowledged_unrecorded log lines after the freeze.
@@ -637,19 +645,41 @@ def test_a_relay_frozen_past_its_lease_sends_at_most_one_batch_twice_and_counts_
             "--kafka-config",
             "max.in.flight.requests.per.connection=1",
             "--kafka-config",
-            "batch.num.messages=10",
+            f"batch.num.messages={REQUEST_SHARE}",
         ),
     )
 
-    def duplicates() -> int:
-        records = [r.event_id for g in crashes.collector.generations for r in g]
-        return len(records) - len(set(records))
+    def copies() -> set[tuple[int, int]]:
+        """Where every copy after an event's first lies on the topic: (partition, offset)."""
+        seen: set[str] = set()
+        found: set[tuple[int, int]] = set()
+        records = [r for g in crashes.collector.generations for r in g]
+        for r in sorted(records, key=lambda r: (r.partition, r.offset)):
+            if r.event_id in seen:
+                found.add((r.partition, r.offset))
+            seen.add(r.event_id)
+        return found
+
+    def record_batches(new: set[tuple[int, int]]) -> int:
+        """The most runs of consecutive offsets ``new`` holds on one partition, each
+        run at most REQUEST_SHARE long (one request's share of a partition)."""
+        most = 0
+        for partition in {p for p, _ in new}:
+            offsets = sorted(o for p, o in new if p == partition)
+            runs, length = 1, 1
+            for before, after in itertools.pairwise(offsets):
+                if after == before + 1 and length < REQUEST_SHARE:
+                    length += 1
+                else:
+                    runs, length = runs + 1, 1
+            most = max(most, runs)
+        return most
 
     def freeze_rounds(crashes: Crashes) -> None:
         b = crashes.b
         for _ in range(size(3, 20)):
             crashes.collector.read(0.5)
-            before = duplicates()
+            before = copies()
             counted = b.metric(ACKNOWLEDGED_UNRECORDED)
             assert counted is not None, crashes.explain()
             # Frozen while it sends the batch after an acknowledged one, one request
@@ -680,11 +710,13 @@ def test_a_relay_frozen_past_its_lease_sends_at_most_one_batch_twice_and_counts_
             now = b.metric(ACKNOWLEDGED_UNRECORDED)
             assert now is not None, crashes.explain()
             logged = b.actions("acknowledged_unrecorded", since=mark)
+            new = copies() - before
             freezes.append(
                 Freeze(
                     busy,
                     in_transaction,
-                    duplicates() - before,
+                    len(new),
+                    record_batches(new),
                     int(now - counted),
                     sum(int(r["events"]) for r in logged),
                 )
@@ -708,5 +740,7 @@ def test_a_relay_frozen_past_its_lease_sends_at_most_one_batch_twice_and_counts_
         f"{len(freezes)} SIGSTOPs of a busy relay for {LEASE + 0.5:g} s "
         f"({sum(f.in_transaction for f in freezes)} inside a transaction), "
         f"{len(costly)} with duplicates ({', '.join(map(str, costly)) or 'none'}; "
-        f"batch {BATCH}); acknowledged unrecorded per freeze: {counted}",
+        f"batch {BATCH}; at most {max(f.record_batches for f in freezes)} record batch(es) "
+        f"of {REQUEST_SHARE} a partition in one freeze); "
+        f"acknowledged unrecorded per freeze: {counted}",
     )
