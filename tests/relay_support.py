@@ -51,6 +51,23 @@ def make_settings(database_url: str, bootstrap: str, **overrides: Any) -> RelayS
 # --------------------------------------------------------------------------- events
 
 
+class FailingCall:
+    """``call`` passed through, except its ``nth`` call, which raises ``error``: a bug
+    in a step of the relay, as a loop meets it. ``calls`` counts the calls."""
+
+    def __init__(self, call: Callable[..., Any], nth: int, error: Exception) -> None:
+        self.call = call
+        self.nth = nth
+        self.error = error
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.nth:
+            raise self.error
+        return self.call(*args, **kwargs)
+
+
 def topic_outbox(**kwargs: Any) -> Outbox:
     """An outbox without schemas: any type, topic given per event."""
     return Outbox(allow_unknown_types=True, **kwargs)

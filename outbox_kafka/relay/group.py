@@ -507,28 +507,30 @@ class RelayGroup:
 
         def drain_one(name: str, relay: Relay) -> None:
             failed: str | None = None
+            #: What the outbox's failed loops recorded before they failed.
+            before = CycleReport()
             while True:
                 started = time.monotonic()
                 try:
                     result = relay.drain_all(max(0.0, deadline - time.monotonic()))
-                    if failed is not None and result.error is None:
+                    if failed is not None:
+                        report = dataclasses.replace(before)
+                        report.add(result.report)
                         # Said even when the loop in its place drained everything.
-                        result = dataclasses.replace(
-                            result, error=f"the relay loop failed before ({failed})"
-                        )
+                        error = result.error or f"the relay loop failed before ({failed})"
+                        result = dataclasses.replace(result, report=report, error=error)
                     results[name] = result
                     return
                 except Exception as exc:
                     with contextlib.suppress(Exception):
-                        relay.close()
+                        relay.close()  # its last batch is recorded, or left to its lease
+                    before.add(relay.recorded)
                     failed = f"{type(exc).__name__}: {exc}"
                     replacement = self._restart(
                         name, exc, time.monotonic() - started, deadline=deadline
                     )
                 if replacement is None:
-                    results[name] = DrainResult(
-                        CycleReport(), None, f"the relay loop failed ({failed})"
-                    )
+                    results[name] = DrainResult(before, None, f"the relay loop failed ({failed})")
                     return
                 relay = replacement
 

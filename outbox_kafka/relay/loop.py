@@ -125,6 +125,10 @@ class Relay:
             recovery=self.recovery,
         )
         self._last_cycle_at: float | None = None
+        #: What this relay's records did, summed as each batch is recorded (see
+        #: :attr:`recorded`), and the lock the loop and the recorder share for it.
+        self._recorded = CycleReport()
+        self._recorded_lock = threading.Lock()
         self._waiting = Waiting(
             self.store.wakeups() if settings.listen else None, settings.poll_interval, self._stop
         )
@@ -146,6 +150,17 @@ class Relay:
     def last_cycle_at(self) -> float | None:
         """``time.monotonic()`` when the last cycle finished; None before the first."""
         return self._last_cycle_at
+
+    @property
+    def recorded(self) -> CycleReport:
+        """What every batch this relay has recorded did, summed (a copy).
+
+        Counted as each record commits, so it holds what a :meth:`drain` or
+        :meth:`drain_all` that raised had done by then; after :meth:`close`, the
+        last batch's record too. Claims handed back unsent are not counted.
+        """
+        with self._recorded_lock:
+            return replace(self._recorded)
 
     @property
     def waiting_on_database(self) -> bool:
@@ -371,7 +386,7 @@ class Relay:
         """Hand a claim's keys back as they were, to be claimed again at once."""
         release = [KeyOutcome.unchanged(k) for k in claim.keys]
         try:
-            self._record(claim, SentBatch(keys=release))
+            self._record(claim, SentBatch(keys=release), counted=False)
         except StorageError as exc:
             # Only past the shutdown deadline: nothing was sent, the keys wait for their lease.
             log.warning(
@@ -396,8 +411,9 @@ class Relay:
             )
             return None
 
-    def _record(self, claim: Claim, sent: SentBatch) -> CycleReport:
-        """The record step: a sent batch's outcome in one fenced statement, counted."""
+    def _record(self, claim: Claim, sent: SentBatch, *, counted: bool = True) -> CycleReport:
+        """The record step: a sent batch's outcome in one fenced statement, counted
+        (in :attr:`recorded` too, unless not ``counted``: a claim handed back unsent)."""
         report = CycleReport(keys=len(claim.keys), sent=sent.sent)
         if not claim.keys:
             self._last_cycle_at = time.monotonic()
@@ -441,6 +457,9 @@ class Relay:
             acknowledged = sum(1 for e in sent.events if e.status == EventStatus.DELIVERED)
             if acknowledged > result.delivered:
                 self.observer.acknowledged_unrecorded(acknowledged - result.delivered)
+        if counted:
+            with self._recorded_lock:
+                self._recorded.add(report)
         self._last_cycle_at = time.monotonic()
         return report
 

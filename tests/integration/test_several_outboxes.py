@@ -21,6 +21,7 @@ from outbox_kafka.relay.group import RelayGroup, load_outboxes
 from outbox_kafka.relay.serve import ObservabilityServer
 from tests.acceptance.test_relay_cli import run_cli
 from tests.relay_support import (
+    FailingCall,
     consume_all,
     enqueue_bulk,
     make_settings,
@@ -493,6 +494,46 @@ def test_relay_drain_reports_an_outbox_whose_loop_fails_and_drains_the_others(
     ), lines
     assert drained.stderr.count("Traceback") == 1, drained.stderr
     _check_topic(kafka_bootstrap, topics["first"])
+
+
+def test_a_drain_counts_what_a_failed_loop_delivered_before_it_failed(
+    three_outboxes: Outboxes,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topic = new_topic(partitions=2)
+    enqueue_bulk(
+        three_outboxes.engines["tenant"],
+        topic_outbox(db_schema="tenant_b"),
+        seq_events(topic, KEYS, EVENTS),
+    )
+    first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
+    targets = load_outboxes(
+        _two_outboxes(three_outboxes, tmp_path),
+        database_url=first_url,
+        table="outbox",
+        db_schema="public",
+    )
+    group = RelayGroup(make_settings(first_url, kafka_bootstrap, batch_size=10), targets)
+    try:
+        # The tenant loop's third claim fails as a bug would, after two batches of
+        # ten events were claimed and sent; the loop started in its place sends the rest.
+        store = group.relays["tenant"].store
+        claim = FailingCall(store.claim, 3, RuntimeError("a bug in the claim"))
+        monkeypatch.setattr(store, "claim", claim)
+        results = group.drain_all(60)
+    finally:
+        group.close()
+    tenant = results["tenant"]
+    assert claim.calls >= 3
+    assert tenant.complete, tenant
+    # Every event counted once: those the failed loop recorded, and the rest.
+    assert tenant.report.delivered == EVENTS, tenant.summary()
+    assert "the relay loop failed before (RuntimeError: a bug in the claim)" in tenant.summary()
+    assert results["first"].complete and results["first"].report.delivered == 0
+    _check_topic(kafka_bootstrap, topic)
 
 
 # --------------------------------------------------------------------------- settings per outbox

@@ -20,6 +20,7 @@ from outbox_kafka.relay.decide import BatchResults, Hold, RetryPolicy
 from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.relay.send import Publisher, classify
 from outbox_kafka.testing import InMemoryStore, StubPublisher
+from tests.relay_support import FailingCall
 
 
 def _policy(max_attempts: int = 3, *, park: bool = False) -> RetryPolicy:
@@ -320,6 +321,29 @@ def test_drain_all_on_the_fakes_waits_for_a_retry_and_ends_complete() -> None:
     assert result.complete, result.summary()
     assert (result.report.retried, result.report.delivered) == (1, 1)
     assert [e.attempts for e in store.events("k")] == [1]
+
+
+def test_what_a_relay_recorded_is_what_its_drains_reported_and_keeps_a_failed_drains_part() -> None:
+    answers = iter([(Verdict.RETRIABLE, "REQUEST_TIMED_OUT: slow")])
+    store = InMemoryStore()
+    kafka = StubPublisher(lambda message: next(answers, Verdict.DELIVERED))
+    for key in ("a", "b", "c"):
+        _enqueue(store, key, 3)
+    relay = _relay(store, kafka, batch_size=2, backoff_base=0.2, backoff_cap=0.2)
+    try:
+        result = relay.drain_all(timeout=10)
+        assert result.complete, result.summary()
+        assert relay.recorded == result.report
+        assert (relay.recorded.delivered, relay.recorded.retried) == (9, 1)
+        # A drain that raises half way: what it recorded before is kept.
+        _enqueue(store, "d", 4)
+        store.claim = FailingCall(store.claim, 2, RuntimeError("a bug in the claim"))  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a bug in the claim"):
+            relay.drain()
+    finally:
+        relay.close()
+    assert relay.recorded.delivered == 9 + 2  # the first claim of d's: batch_size events
+    assert [e.status for e in store.events("d")].count("delivered") == 2
 
 
 class _DatabaseDown(InMemoryStore):
