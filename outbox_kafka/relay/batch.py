@@ -314,6 +314,12 @@ class CycleReport:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    def since(self, earlier: CycleReport) -> CycleReport:
+        """What was counted after ``earlier``, a copy of this running report taken then."""
+        return CycleReport(
+            **{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
+        )
+
 
 @dataclass(frozen=True)
 class DrainResult:

@@ -511,6 +511,7 @@ class RelayGroup:
             before = CycleReport()
             while True:
                 started = time.monotonic()
+                recorded_before = relay.recorded
                 try:
                     result = relay.drain_all(max(0.0, deadline - time.monotonic()))
                     if failed is not None:
@@ -524,7 +525,7 @@ class RelayGroup:
                 except Exception as exc:
                     with contextlib.suppress(Exception):
                         relay.close()  # its last batch is recorded, or left to its lease
-                    before.add(relay.recorded)
+                    before.add(relay.recorded.since(recorded_before))
                     failed = f"{type(exc).__name__}: {exc}"
                     replacement = self._restart(
                         name, exc, time.monotonic() - started, deadline=deadline

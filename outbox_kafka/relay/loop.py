@@ -261,8 +261,10 @@ class Relay:
             self._stop.wait(wait)
 
     def close(self) -> None:
-        self._release_prefetched()
-        self._await_recording()
+        try:
+            self._release_prefetched()
+        finally:
+            self._await_recording()
         self._claimer.shutdown(wait=True)
         self._recorder.shutdown(wait=True)
         self.publisher.close(timeout=min(5.0, self.settings.shutdown_timeout))

@@ -503,12 +503,9 @@ def test_a_drain_counts_what_a_failed_loop_delivered_before_it_failed(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    topic = new_topic(partitions=2)
-    enqueue_bulk(
-        three_outboxes.engines["tenant"],
-        topic_outbox(db_schema="tenant_b"),
-        seq_events(topic, KEYS, EVENTS),
-    )
+    earlier, topic = new_topic(partitions=2), new_topic(partitions=2)
+    tenant_outbox = topic_outbox(db_schema="tenant_b")
+    engine = three_outboxes.engines["tenant"]
     first_url = three_outboxes.engines["first"].url.render_as_string(hide_password=False)
     targets = load_outboxes(
         _two_outboxes(three_outboxes, tmp_path),
@@ -518,8 +515,13 @@ def test_a_drain_counts_what_a_failed_loop_delivered_before_it_failed(
     )
     group = RelayGroup(make_settings(first_url, kafka_bootstrap, batch_size=10), targets)
     try:
-        # The tenant loop's third claim fails as a bug would, after two batches of
-        # ten events were claimed and sent; the loop started in its place sends the rest.
+        # A drain before: what the loop recorded then is not counted again.
+        enqueue_bulk(engine, tenant_outbox, seq_events(earlier, KEYS, EVENTS))
+        assert group.drain_all(60)["tenant"].report.delivered == EVENTS
+        enqueue_bulk(engine, tenant_outbox, seq_events(topic, KEYS, EVENTS))
+        # The tenant loop's third claim fails as a bug would, after its first claims
+        # (two events of each of the four keys, and a read-ahead) were sent and recorded;
+        # the loop started in its place sends the rest.
         store = group.relays["tenant"].store
         claim = FailingCall(store.claim, 3, RuntimeError("a bug in the claim"))
         monkeypatch.setattr(store, "claim", claim)
@@ -529,7 +531,7 @@ def test_a_drain_counts_what_a_failed_loop_delivered_before_it_failed(
     tenant = results["tenant"]
     assert claim.calls >= 3
     assert tenant.complete, tenant
-    # Every event counted once: those the failed loop recorded, and the rest.
+    # Every event of this drain counted once: those the failed loop recorded, and the rest.
     assert tenant.report.delivered == EVENTS, tenant.summary()
     assert "the relay loop failed before (RuntimeError: a bug in the claim)" in tenant.summary()
     assert results["first"].complete and results["first"].report.delivered == 0

@@ -22,7 +22,7 @@ same kills run with retention purging every second, and with events
 discarded to a dead-letter topic in the bursts: exactly one copy of each.
 
 A relay frozen (SIGSTOP) past its lease is where exactly once stops: when it
-resumes it may still send the request it had queued. Each freeze may cost at
+resumes it may still send the requests it had queued. Each freeze may cost at
 most one batch of duplicates, and the frozen relay counts every one in
 ``outbox_acknowledged_unrecorded_total``.
 """
@@ -607,9 +607,9 @@ class Freeze:
     #: Whether B was frozen inside a database transaction.
     in_transaction: bool
     duplicates: int
-    #: The most record batches the freeze's duplicates lie in on one partition (runs
-    #: of consecutive offsets, each at most one request's share of a partition): 1 or
-    #: less, and they could all have come in one request.
+    #: The fewest record batches the freeze's duplicates fill on one partition (runs
+    #: of consecutive offsets, each at most one request's share of a partition): more
+    #: than 1, and they came in more than one request.
     record_batches: int
     #: B's outbox_acknowledged_unrecorded_total after the freeze, less before it.
     acknowledged_unrecorded: int
@@ -661,8 +661,9 @@ def test_a_relay_frozen_past_its_lease_sends_at_most_one_batch_twice_and_counts_
         return found
 
     def record_batches(new: set[tuple[int, int]]) -> int:
-        """The most runs of consecutive offsets ``new`` holds on one partition, each
-        run at most REQUEST_SHARE long (one request's share of a partition)."""
+        """The fewest record batches that hold ``new`` on the partition that needs the
+        most: runs of consecutive offsets, each at most REQUEST_SHARE long (one
+        request's share of a partition)."""
         most = 0
         for partition in {p for p, _ in new}:
             offsets = sorted(o for p, o in new if p == partition)
@@ -740,7 +741,8 @@ def test_a_relay_frozen_past_its_lease_sends_at_most_one_batch_twice_and_counts_
         f"{len(freezes)} SIGSTOPs of a busy relay for {LEASE + 0.5:g} s "
         f"({sum(f.in_transaction for f in freezes)} inside a transaction), "
         f"{len(costly)} with duplicates ({', '.join(map(str, costly)) or 'none'}; "
-        f"batch {BATCH}; at most {max(f.record_batches for f in freezes)} record batch(es) "
-        f"of {REQUEST_SHARE} a partition in one freeze); "
+        f"batch {BATCH}; one freeze's filled at least "
+        f"{max(f.record_batches for f in freezes)} record batch(es) of {REQUEST_SHARE} "
+        "on one partition); "
         f"acknowledged unrecorded per freeze: {counted}",
     )

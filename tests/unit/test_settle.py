@@ -14,7 +14,14 @@ from confluent_kafka import KafkaError
 from outbox_kafka import DuplicateEventId, Event, InvalidKey, Outbox
 from outbox_kafka.errors import StorageError
 from outbox_kafka.relay import Relay
-from outbox_kafka.relay.batch import ClaimedEvent, ClaimedKey, EventStatus, KeyOutcome, Verdict
+from outbox_kafka.relay.batch import (
+    ClaimedEvent,
+    ClaimedKey,
+    CycleReport,
+    EventStatus,
+    KeyOutcome,
+    Verdict,
+)
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.decide import BatchResults, Hold, RetryPolicy
 from outbox_kafka.relay.ports import Delivery, Message
@@ -335,6 +342,7 @@ def test_what_a_relay_recorded_is_what_its_drains_reported_and_keeps_a_failed_dr
         assert result.complete, result.summary()
         assert relay.recorded == result.report
         assert (relay.recorded.delivered, relay.recorded.retried) == (9, 1)
+        first = relay.recorded
         # A drain that raises half way: what it recorded before is kept.
         _enqueue(store, "d", 4)
         store.claim = FailingCall(store.claim, 2, RuntimeError("a bug in the claim"))  # type: ignore[method-assign]
@@ -343,6 +351,7 @@ def test_what_a_relay_recorded_is_what_its_drains_reported_and_keeps_a_failed_dr
     finally:
         relay.close()
     assert relay.recorded.delivered == 9 + 2  # the first claim of d's: batch_size events
+    assert relay.recorded.since(first) == CycleReport(keys=1, sent=2, delivered=2)
     assert [e.status for e in store.events("d")].count("delivered") == 2
 
 
