@@ -507,7 +507,7 @@ class RelayGroup:
 
         def drain_one(name: str, relay: Relay) -> None:
             failed: str | None = None
-            #: What the outbox's failed loops recorded before they failed.
+            #: What the outbox's failed loops recorded during this drain, before they failed.
             before = CycleReport()
             while True:
                 started = time.monotonic()

@@ -608,8 +608,8 @@ class Freeze:
     in_transaction: bool
     duplicates: int
     #: The fewest record batches the freeze's duplicates fill on one partition (runs
-    #: of consecutive offsets, each at most one request's share of a partition): more
-    #: than 1, and they came in more than one request.
+    #: of consecutive offsets, each at most one request's share of a partition). Above
+    #: 1, they came in more than one request.
     record_batches: int
     #: B's outbox_acknowledged_unrecorded_total after the freeze, less before it.
     acknowledged_unrecorded: int
