@@ -22,6 +22,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError, TopicPartition
+from sqlalchemy.engine import make_url
 
 from outbox_kafka import Event, Outbox
 from outbox_kafka.naming import TableNames
@@ -332,15 +333,25 @@ def kafka_partition(key: bytes, partitions: int) -> int:
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:``port`` to ``target``; :meth:`cut` drops everything until restored.
+    """Forwards 127.0.0.1:``port`` to ``target``; :meth:`cut` drops everything until restored,
+    :meth:`hang` stops answering without closing anything.
 
     :meth:`set_delay` holds every byte coming back from the target for that many
     seconds before passing it on (requests still go through at once): a slow
     broker, as its clients see it.
     """
 
-    def __init__(self, target_port: int, *, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        target_socket: str | None = None,
+    ) -> None:
+        """``target_socket``: the path of a Unix socket to forward to instead of a port."""
         self.target = (host, target_port)
+        self.target_socket = target_socket
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
@@ -350,8 +361,13 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._cut = threading.Event()
+        self._hung = threading.Event()
+        #: Clients accepted while hung, held open and never answered.
+        self._held: list[socket.socket] = []
         self._closed = threading.Event()
         self.connections = 0
+        #: Connections that sent something while hung (left unread and unanswered).
+        self.stalled = 0
         self.delay = 0.0
         self._thread = threading.Thread(target=self._accept_loop, name="proxy-accept", daemon=True)
 
@@ -375,7 +391,20 @@ class TcpProxy:
             _close(a)
             _close(b)
 
+    def hang(self) -> None:
+        """Stop answering, as a frozen host or a network dropping packets does: every
+        connection stays open and nothing passes either way; new ones are accepted
+        and never answered. :meth:`restore` closes them all."""
+        self._hung.set()
+
     def restore(self) -> None:
+        if self._hung.is_set():
+            self.cut()  # what was held open comes back reset, as after a frozen host
+            with self._lock:
+                held, self._held = self._held, []
+            for sock in held:
+                _close(sock)
+            self._hung.clear()
         self._cut.clear()
 
     def set_delay(self, seconds: float) -> None:
@@ -384,6 +413,7 @@ class TcpProxy:
 
     def close(self) -> None:
         self._closed.set()
+        self.restore()
         self.cut()
         self._thread.join(5)
         _close(self._listener)
@@ -399,8 +429,12 @@ class TcpProxy:
             if self._cut.is_set():
                 _close(client)
                 continue
+            if self._hung.is_set():
+                with self._lock:
+                    self._held.append(client)
+                continue
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = self._connect_upstream()
             except OSError:
                 _close(client)
                 continue
@@ -417,12 +451,33 @@ class TcpProxy:
                 target=self._pump, args=(client, upstream), name="proxy-pump", daemon=True
             ).start()
 
+    def _connect_upstream(self) -> socket.socket:
+        if self.target_socket is None:
+            return socket.create_connection(self.target, timeout=5)
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.settimeout(5)
+        try:
+            upstream.connect(self.target_socket)
+        except OSError:
+            upstream.close()
+            raise
+        return upstream
+
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         """Copy bytes both ways; what ``b`` (the target) sends waits out :attr:`delay`."""
         peers = {a: b, b: a}
         held: collections.deque[tuple[float, bytes]] = collections.deque()
+        stalled = False
         try:
             while not self._cut.is_set():
+                if self._hung.is_set():
+                    waiting, _, _ = select.select([a], [], [], 0.05)
+                    if waiting and not stalled:
+                        stalled = True
+                        with self._lock:
+                            self.stalled += 1
+                    time.sleep(0.05)
+                    continue
                 wait = 0.2 if not held else max(0.0, min(0.2, held[0][0] - time.monotonic()))
                 ready, _, _ = select.select([a, b], [], [], wait)
                 for sock in ready:
@@ -442,6 +497,21 @@ class TcpProxy:
             _close(b)
             with self._lock, contextlib.suppress(ValueError):
                 self._pairs.remove((a, b))
+
+
+def database_proxy(database_url: str) -> tuple[TcpProxy, str]:
+    """A started :class:`TcpProxy` in front of the server of ``database_url`` (on a
+    port, or a Unix socket as the embedded server's), and the URL through it."""
+    url = make_url(database_url)
+    socket_dir = url.query.get("host")
+    if url.port is None and isinstance(socket_dir, str) and socket_dir.startswith("/"):
+        path = f"{socket_dir}/.s.PGSQL.5432"
+        proxy = TcpProxy(0, target_socket=path).start()
+        url = url.difference_update_query(["host"])
+    else:
+        proxy = TcpProxy(url.port or 5432, host=url.host or "127.0.0.1").start()
+    through = url.set(host="127.0.0.1", port=proxy.port)
+    return proxy, through.render_as_string(hide_password=False)
 
 
 def _close(sock: socket.socket) -> None:

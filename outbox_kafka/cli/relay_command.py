@@ -6,6 +6,9 @@ import argparse
 import logging
 import os
 import signal
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from outbox_kafka.database import url_secrets
@@ -32,6 +35,13 @@ DEFAULT_METRICS_PORT = 9400
 #: `relay --drain` ended with events still pending (the summary says why).
 EXIT_WORK_LEFT = 3
 DEFAULT_METRICS_HOST = "0.0.0.0"
+#: Seconds past ``--shutdown-timeout`` the process waits, after the first SIGTERM or
+#: SIGINT, for its loops to finish (the producer's last flush takes up to 5 of them),
+#: before it exits without them: a database or broker that stops answering, without
+#: closing its connections, can hold a call for good.
+FORCED_EXIT_GRACE = 10.0
+
+log = logging.getLogger("outbox_kafka.cli")
 
 
 def outbox_targets(args: argparse.Namespace) -> list[OutboxTarget] | None:
@@ -134,7 +144,7 @@ def _start_server(
     except ConfigurationError as exc:
         if args.metrics_port is not None:
             raise
-        logging.getLogger("outbox_kafka.cli").warning(
+        log.warning(
             "metrics and health endpoints not served: the default port is taken",
             extra={"action": "http_unavailable", "error": str(exc)},
         )
@@ -143,6 +153,9 @@ def _start_server(
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
+    # First, so that a signal while the relay starts stops it too, rather than
+    # ending the process the way an unhandled SIGTERM does.
+    stopping = _StopSignals(args.shutdown_timeout)
     from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.loop import Relay
 
@@ -160,30 +173,80 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         relay.close()
         raise
     try:
-        return _run_relay(args, relay, settings, targets)
+        stopping.attach(relay)
+        return stopping.run_until_stopped(
+            lambda: _run_relay(args, relay), EXIT_WORK_LEFT if args.drain else 0
+        )
     finally:
         if server is not None:
             server.close()
 
 
-def _run_relay(
-    args: argparse.Namespace,
-    relay: Relay | RelayGroup,
-    settings: RelaySettings,
-    targets: list[OutboxTarget] | None,
-) -> int:
-    signals_seen = 0
+class _StopSignals:
+    """SIGTERM and SIGINT for ``relay``: the first stops the relay, a second exits at once.
 
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        if signals_seen > 1:
+    The relay runs on a thread of its own (:meth:`run_until_stopped`) while the main
+    thread, where Python runs signal handlers, waits for it: a handler runs even while
+    the relay is stuck in a call that does not return, and the process exits at the
+    latest :data:`FORCED_EXIT_GRACE` seconds past ``shutdown_timeout`` after the first
+    signal. What was not recorded by then waits for its keys' leases, as after a crash.
+    """
+
+    def __init__(self, shutdown_timeout: float) -> None:
+        self.shutdown_timeout = shutdown_timeout
+        self.signals = 0
+        #: ``time.monotonic()`` past which the process exits without its relay.
+        self.deadline: float | None = None
+        self._relay: Relay | RelayGroup | None = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signals += 1
+        if self.signals > 1:
             # Second signal: leave now; leases hand the in-flight keys to another relay.
             os._exit(128 + signum)
-        relay.stop()
+        self.deadline = time.monotonic() + self.shutdown_timeout + FORCED_EXIT_GRACE
+        if self._relay is not None:
+            self._relay.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    def attach(self, relay: Relay | RelayGroup) -> None:
+        """The relay to stop; stopped at once if a signal came while it was made."""
+        self._relay = relay
+        if self.signals:
+            relay.stop()
+
+    def run_until_stopped(self, body: Callable[[], int], forced_exit: int) -> int:
+        """``body()``'s exit status, run on its own thread; after the first signal,
+        ``forced_exit`` if it has not returned by the deadline."""
+        outcome: list[int] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                outcome.append(body())
+            except BaseException as exc:  # re-raised on the main thread
+                failure.append(exc)
+
+        worker = threading.Thread(target=run, name="outbox-relay", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                log.error(
+                    "the relay did not stop within --shutdown-timeout: a call to the "
+                    "database or Kafka is not returning; exiting without it, and what it "
+                    "had not recorded waits for its keys' leases",
+                    extra={"action": "forced_exit", "grace_seconds": FORCED_EXIT_GRACE},
+                )
+                logging.shutdown()
+                os._exit(forced_exit)
+        if failure:
+            raise failure[0]
+        return outcome[0]
+
+
+def _run_relay(args: argparse.Namespace, relay: Relay | RelayGroup) -> int:
     if args.drain:
         try:
             drained = relay.drain_all(args.drain_timeout)

@@ -8,6 +8,7 @@ duplicates only where a crash makes them unavoidable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox_kafka import Event
+from outbox_kafka.cli.relay_command import FORCED_EXIT_GRACE
 from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
@@ -44,6 +46,7 @@ from tests.relay_support import (
     TcpProxy,
     claimed_count,
     consume_all,
+    database_proxy,
     delivered_count,
     delivered_positions_problem,
     discarded_count,
@@ -970,6 +973,90 @@ def test_sigterm_finishes_the_batch_and_exits_zero(
     records = consume_all(kafka_bootstrap, topic, 10_000)
     assert {r.event_id for r in records} == set(ids)
     assert per_key_order(records) == ids_by_key(events, ids)
+
+
+def test_sigterm_while_the_relay_starts_stops_it_and_exits_zero(
+    database_url: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A signal that comes while the relay is still starting stops it like any other,
+    rather than ending the process as an unhandled SIGTERM does (exit -15)."""
+    # The relay reads its Kafka settings from a FIFO: it waits there until a writer
+    # comes, which holds it in its start-up for as long as the test needs.
+    fifo = tmp_path / "kafka.conf"
+    os.mkfifo(fifo)
+    log = tmp_path / "relay.log"
+    command = relay_command(database_url, kafka_bootstrap, "--kafka-config-file", str(fifo))
+    proc = subprocess.Popen(
+        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=clean_env()
+    )
+    try:
+        writer = None
+        deadline = time.monotonic() + 60
+        while writer is None:
+            try:
+                # Succeeds once the relay has the FIFO open for reading.
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "the relay never opened its config file"
+                time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)  # the signal is handled before the file's end arrives
+        with contextlib.suppress(BrokenPipeError):  # the relay is gone: its exit code says why
+            os.write(writer, b"linger.ms=5\n")
+        os.close(writer)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, log.read_text()
+    assert "relay stopped" in log.read_text()
+
+
+def test_sigterm_exits_by_its_deadline_while_the_database_does_not_answer(
+    engine: sa.Engine,
+    database_url: str,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    """A database that stops answering without closing its connections (a frozen host,
+    a network dropping packets) holds the relay in a call that does not return; SIGTERM
+    still ends the process within --shutdown-timeout plus FORCED_EXIT_GRACE, it says why,
+    and another relay then delivers everything, once."""
+    topic = new_topic(2)
+    first = seq_events(topic, ["a", "b", "c"], 30)
+    ids = enqueue_bulk(engine, topic_outbox(), first)
+    proxy, through = database_proxy(database_url)
+    log = tmp_path / "relay.log"
+    command = relay_command(through, kafka_bootstrap, "--shutdown-timeout", "1")
+    proc = subprocess.Popen(
+        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=clean_env()
+    )
+    try:
+        wait_until(lambda: delivered_count(engine) == 30, 60, what="the first events delivered")
+        proxy.hang()
+        ids += enqueue_bulk(engine, topic_outbox(), seq_events(topic, ["a", "d"], 10))
+        # The relay's next look at the database (within its 0.1 s poll) waits for an answer.
+        wait_until(lambda: proxy.stalled > 0, 30, what="the relay waiting on the database")
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = proc.wait(1 + FORCED_EXIT_GRACE + 30)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proxy.close()
+    text = log.read_text()
+    assert code == 0, text
+    assert 1 + FORCED_EXIT_GRACE - 1 < took < 1 + FORCED_EXIT_GRACE + 10, text
+    assert "forced_exit" in text, text
+    report = drain(make_settings(database_url, kafka_bootstrap))
+    assert report.delivered == 10
+    records = consume_all(kafka_bootstrap, topic, 40)
+    assert sorted(r.event_id for r in records) == sorted(ids)
 
 
 def test_drain_and_stop_give_back_the_claim_read_ahead(

@@ -213,6 +213,21 @@ class RelayProcess:
             )
         return self
 
+    def wait_started(self, timeout: float = 60) -> None:
+        """Wait until this start of the relay has logged ``relay started``. Before that a
+        SIGTERM may find Python still importing the package, where no handler is set
+        yet and the signal ends the process as it ends any program (nothing is claimed
+        by then)."""
+        marker = f"---- start {self.starts}\n"
+        deadline = time.monotonic() + timeout
+        while "relay started" not in self._log_since(marker):
+            assert self.alive(), f"{self.log_path.name}: the relay exited while starting"
+            assert time.monotonic() < deadline, f"{self.log_path.name}: not started in {timeout} s"
+            time.sleep(0.05)
+
+    def _log_since(self, marker: str) -> str:
+        return self.log_path.read_text(errors="replace").rpartition(marker)[2]
+
     def kill(self, *, wait: bool = True) -> None:
         """SIGKILL: no flush, no record, no goodbye. ``wait=False``: the signal only
         (several relays killed within milliseconds); :meth:`wait_killed` then."""

@@ -479,6 +479,7 @@ def test_operators_relays_and_writers_at_once(
 
     def outage() -> None:
         """Cut relay-a off the database, SIGTERM it, bring the database back, start it."""
+        relay_a.wait_started()  # a relay, not a Python interpreter still importing
         cut_at = now()
         proxy.cut()
         started = time.monotonic()
