@@ -89,8 +89,10 @@ class Store:
         self.arrivals_left = False
 
     @contextlib.contextmanager
-    def _cursor(self, what: str) -> Iterator[Any]:
-        """A raw cursor in its own transaction, committed on success.
+    def _cursor(self, what: str, *, index_plans: bool = False) -> Iterator[Any]:
+        """A raw cursor in its own transaction, committed on success; with
+        ``index_plans``, its statements planned by index (see index_plans in
+        queries.sql): the claim's and the record's.
 
         The relay's two hot statements bypass SQLAlchemy's result layer: at a
         thousand rows per batch, building Row objects costs more than the query.
@@ -99,6 +101,8 @@ class Store:
             dbapi: Any = conn.connection.dbapi_connection
             cur = dbapi.cursor()
             try:
+                if index_plans:
+                    cur.execute(self._q.driver_sql("index_plans"))
                 yield cur
                 dbapi.commit()
             except BaseException:
@@ -219,7 +223,7 @@ class Store:
         """Run the claim; its rows, whether their values came as text, each key's
         share of the batch (the most events read per key), and by key when it was
         due before the claim (seconds since the epoch) and its doubtful sessions."""
-        with self._cursor("claiming events") as cur:
+        with self._cursor("claiming events", index_plans=True) as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
             # The keys that producers added since the last claim join the queue
             # first (admit_arrivals). Then two statements, so that the events are
@@ -309,7 +313,7 @@ class Store:
             "event_offsets": pg_array([e.offset for e in others]),
             "event_errors": pg_array([e.error for e in others]),
         }
-        with self._cursor("recording delivered events") as cur:
+        with self._cursor("recording delivered events", index_plans=True) as cur:
             cur.execute(self._q.driver_sql("record_batch"), params)
             keys_owned, keys_removed, delivered, discarded, retried, latencies = cur.fetchone()
         return RecordResult(

@@ -21,20 +21,22 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import psycopg2.extensions
 import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox_kafka import Event
 from outbox_kafka.cli.relay_command import FORCED_EXIT_GRACE
+from outbox_kafka.database import make_engine
 from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import requeue_events
 from outbox_kafka.relay import CycleReport, Relay
-from outbox_kafka.relay.batch import Claim, EventOutcome, KeyOutcome
+from outbox_kafka.relay.batch import Claim, EventOutcome, EventStatus, KeyOutcome
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.store import Store
@@ -392,6 +394,77 @@ def _assert_bounded_plan(plan: dict[str, Any], batch_size: int) -> None:
             f"{n['Node Type']} on {n.get('Relation Name') or n.get('Index Name')} reads "
             f"{read} rows for a batch of {batch_size}"
         )
+
+
+class _ExplainingCursor(psycopg2.extensions.cursor):
+    """A cursor that EXPLAIN ANALYZEs the claim's and the record's key statements just
+    before running them, in their own transaction (a savepoint rolls the explained run
+    back), and keeps the plans in :attr:`plans`."""
+
+    plans: ClassVar[dict[str, dict[str, Any]]] = {}
+    watched: ClassVar[dict[str, str]] = {}
+
+    def execute(self, query: Any, vars: Any = None) -> None:
+        name = self.watched.get(query)
+        if name is not None:
+            super().execute("SAVEPOINT explained")
+            super().execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, vars)
+            row = self.fetchone()
+            assert row is not None
+            self.plans[name] = row[0][0]["Plan"]
+            super().execute("ROLLBACK TO SAVEPOINT explained")
+        super().execute(query, vars)
+
+
+def test_claim_and_record_stay_within_the_batch_when_the_queue_statistics_are_stale(
+    engine: sa.Engine, database_url: str
+) -> None:
+    """Statistics taken while the queue was empty (autovacuum off, or not there yet) do
+    not turn the claim's or the record's key statements into whole-table reads: with
+    such statistics the planner sorted every due key to claim the first few, and
+    scanned every key's counter to record a batch."""
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE outbox_keys")
+        conn.exec_driver_sql("ANALYZE outbox_key_seq")
+        conn.exec_driver_sql("ANALYZE outbox_arrivals")
+        conn.commit()
+    keys = [f"k{i:05d}" for i in range(4000)]
+    enqueue_bulk(engine, topic_outbox(), seq_events("stale-topic", keys, len(keys)))
+    queries = queries_for(NAMES)
+    watched = ("claim_keys", "claim_events", "record_batch")
+    _ExplainingCursor.watched = {queries.driver_sql(name): name for name in watched}
+    _ExplainingCursor.plans = {}
+    store = Store(
+        database_url,
+        NAMES,
+        engine=make_engine(database_url, connect_args={"cursor_factory": _ExplainingCursor}),
+    )
+    try:
+        # The first claims move the writers' arrivals into the key queue; then one
+        # claims 100 of the 4,000 due keys, and its record removes them.
+        for _ in range(10):
+            claim = store.claim(batch_size=100, lease_seconds=30.0, max_keys=100)
+            store.record(claim.token, [KeyOutcome.unchanged(k) for k in claim.keys], [])
+        claim = store.claim(batch_size=100, lease_seconds=30.0, max_keys=100)
+        assert len(claim.keys) == 100
+        outcomes = [
+            EventOutcome(e.event_id, e.key, EventStatus.DELIVERED, 0, 0.0, 0, i, None)
+            for i, e in enumerate(e for k in claim.keys for e in k.events)
+        ]
+        next_seqs = [KeyOutcome(k.key, k.events[-1].seq + 1, 0.0, False, True) for k in claim.keys]
+        assert store.record(claim.token, next_seqs, outcomes).keys_removed == 100
+    finally:
+        store.close()
+    for name in watched:
+        for node in _plan_nodes(_ExplainingCursor.plans[name]):
+            read = node["Actual Rows"] * node["Actual Loops"] + node.get(
+                "Rows Removed by Filter", 0
+            )
+            assert read <= 2 * 100 + 10, (
+                f"{name}: {node['Node Type']} on "
+                f"{node.get('Relation Name') or node.get('Index Name')} reads {read} rows "
+                f"for 100 keys of 4,000: {json.dumps(_ExplainingCursor.plans[name])[:2000]}"
+            )
 
 
 @pytest.mark.slow

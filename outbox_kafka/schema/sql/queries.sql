@@ -152,6 +152,19 @@ WITH picked AS (
 )
 SELECT count(*) AS moved, max(ordering_key) AS last_key FROM moved;
 
+-- name: index_plans
+-- For the current transaction: the claim's and the record's statements reach
+-- their rows through indexes, a batch's worth of probes, whatever the planner's
+-- statistics of the queue tables say. Those tables' row counts swing by
+-- millions between two ANALYZEs (autovacuum's, or none), and with counts taken
+-- while they were small the planner read every due key and sorted them all to
+-- take a claim's first few hundred (claim_keys), and scanned every key's counter
+-- to find a batch's (record_batch, claim_events): work that grows with the
+-- backlog, not the batch. Every such statement has an index to go by, so this
+-- only steers the planner off whole-table plans; it forbids none.
+SELECT set_config('enable_seqscan', 'off', true),
+       set_config('enable_bitmapscan', 'off', true);
+
 -- name: claim_keys
 -- Locks up to :max_keys due keys (skipping keys another relay is claiming),
 -- which lease_keys then leases; returns each key with its next_seq and
