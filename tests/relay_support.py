@@ -402,9 +402,9 @@ class TcpProxy:
             self.cut()  # what was held open comes back reset, as after a frozen host
             with self._lock:
                 held, self._held = self._held, []
+                self._hung.clear()
             for sock in held:
                 _close(sock)
-            self._hung.clear()
         self._cut.clear()
 
     def set_delay(self, seconds: float) -> None:
@@ -429,10 +429,10 @@ class TcpProxy:
             if self._cut.is_set():
                 _close(client)
                 continue
-            if self._hung.is_set():
-                with self._lock:
+            with self._lock:
+                if self._hung.is_set():  # under the lock restore() empties the held under
                     self._held.append(client)
-                continue
+                    continue
             try:
                 upstream = self._connect_upstream()
             except OSError:

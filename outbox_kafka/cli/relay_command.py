@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,9 +38,10 @@ DEFAULT_METRICS_PORT = 9400
 EXIT_WORK_LEFT = 3
 DEFAULT_METRICS_HOST = "0.0.0.0"
 #: Seconds past ``--shutdown-timeout`` the process waits, after the first SIGTERM or
-#: SIGINT, for its loops to finish (the producer's last flush takes up to 5 of them),
-#: before it exits without them: a database or broker that stops answering, without
-#: closing its connections, can hold a call for good.
+#: SIGINT, for its loops to finish (the producer's last flush takes up to 5 of them,
+#: the purge and sampler loops up to 5 each to notice the stop), before it exits
+#: without them: a database or broker that stops answering, without closing its
+#: connections, can hold a call for good.
 FORCED_EXIT_GRACE = 10.0
 
 log = logging.getLogger("outbox_kafka.cli")
@@ -211,9 +214,11 @@ class _StopSignals:
             self._relay.stop()
 
     def attach(self, relay: Relay | RelayGroup) -> None:
-        """The relay to stop; stopped at once if a signal came while it was made."""
+        """The relay to stop; stopped at once if a signal came while it was made (its
+        deadline then runs from now: its shutdown timeout starts with its stop)."""
         self._relay = relay
         if self.signals:
+            self.deadline = time.monotonic() + self.shutdown_timeout + FORCED_EXIT_GRACE
             relay.stop()
 
     def run_until_stopped(self, body: Callable[[], int], forced_exit: int) -> int:
@@ -232,18 +237,31 @@ class _StopSignals:
         worker.start()
         while worker.is_alive():
             worker.join(0.2)
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                log.error(
-                    "the relay did not stop within --shutdown-timeout: a call to the "
-                    "database or Kafka is not returning; exiting without it, and what it "
-                    "had not recorded waits for its keys' leases",
-                    extra={"action": "forced_exit", "grace_seconds": FORCED_EXIT_GRACE},
-                )
-                logging.shutdown()
-                os._exit(forced_exit)
+            past = self.deadline is not None and time.monotonic() > self.deadline
+            if past and worker.is_alive():
+                self._force_exit(forced_exit)
         if failure:
             raise failure[0]
         return outcome[0]
+
+    @staticmethod
+    def _force_exit(code: int) -> None:
+        """Say why, then leave without the relay's thread. A stuck thread may hold the
+        log handler's lock (blocked on a full stderr pipe): the exit does not wait
+        for the log line longer than 2 s."""
+        backstop = threading.Timer(2.0, os._exit, (code,))
+        backstop.daemon = True
+        backstop.start()
+        log.error(
+            "the relay did not stop within --shutdown-timeout: a call to the "
+            "database or Kafka is not returning; exiting without it, and what it "
+            "had not recorded waits for its keys' leases",
+            extra={"action": "forced_exit", "grace_seconds": FORCED_EXIT_GRACE},
+        )
+        logging.shutdown()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        os._exit(code)
 
 
 def _run_relay(args: argparse.Namespace, relay: Relay | RelayGroup) -> int:
@@ -419,7 +437,8 @@ def add_relay_parser(
         help="publish everything, waiting for what comes due within --drain-timeout "
         "(other relays' leases, retries, delays, keys held for a missing topic or a "
         f"missing grant); exit 0 when nothing is left pending, {EXIT_WORK_LEFT} when "
-        "something is (the summary says what and why, held events with their reason)",
+        "something is (the summary says what and why, held events with their reason) or "
+        "when a SIGTERM's deadline passed first (logged as forced_exit, no summary)",
     )
     add_option(
         p,

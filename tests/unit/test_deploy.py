@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from outbox_kafka import cli
+from outbox_kafka.cli.relay_command import FORCED_EXIT_GRACE
 from outbox_kafka.relay.config import SECRET_KAFKA_KEYS, RelaySettings, kafka_config_from_env
 from outbox_kafka.relay.metrics import RelayMetrics
 
@@ -456,7 +457,8 @@ def test_compose_relay_has_time_to_shut_down() -> None:
     timeout = float(env.get("OUTBOX_SHUTDOWN_TIMEOUT", default_shutdown_timeout()))
     grace = str(relay.get("stop_grace_period", "10s"))
     assert grace.endswith("s") and grace[:-1].isdigit(), grace
-    assert int(grace[:-1]) > timeout
+    # The relay exits at the latest FORCED_EXIT_GRACE past its shutdown timeout.
+    assert int(grace[:-1]) > timeout + FORCED_EXIT_GRACE
 
 
 @pytest.mark.parametrize(("name", "command"), [("migrate", "migrate"), ("relay", "relay")])
@@ -768,7 +770,7 @@ def test_k8s_relay_has_resources_and_time_to_shut_down() -> None:
     env = container_env(relay)
     timeout = float(env.get("OUTBOX_SHUTDOWN_TIMEOUT", {}).get("value", default_shutdown_timeout()))
     grace = k8s("Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > timeout
+    assert grace > timeout + FORCED_EXIT_GRACE
 
 
 @pytest.mark.parametrize("kind", ["Deployment", "Job"])
