@@ -209,17 +209,20 @@ class _StopSignals:
         if self.signals > 1:
             # Second signal: leave now; leases hand the in-flight keys to another relay.
             os._exit(128 + signum)
-        self.deadline = time.monotonic() + self.shutdown_timeout + FORCED_EXIT_GRACE
-        if self._relay is not None:
-            self._relay.stop()
+        self._stop_relay()
 
     def attach(self, relay: Relay | RelayGroup) -> None:
-        """The relay to stop; stopped at once if a signal came while it was made (its
-        deadline then runs from now: its shutdown timeout starts with its stop)."""
+        """The relay to stop; stopped at once if a signal came while it was made."""
         self._relay = relay
         if self.signals:
+            self._stop_relay()
+
+    def _stop_relay(self) -> None:
+        """Stop the relay, if it is made yet; the deadline runs from here, as its
+        shutdown timeout does."""
+        if self._relay is not None:
             self.deadline = time.monotonic() + self.shutdown_timeout + FORCED_EXIT_GRACE
-            relay.stop()
+            self._relay.stop()
 
     def run_until_stopped(self, body: Callable[[], int], forced_exit: int) -> int:
         """``body()``'s exit status, run on its own thread; after the first signal,
