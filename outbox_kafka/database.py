@@ -4,15 +4,16 @@ translating the errors the database raises."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
 import psycopg2
 import psycopg2.extensions
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from outbox_kafka.errors import ConfigurationError, OutboxError, StorageError
@@ -88,12 +89,47 @@ def url_secrets(url: str) -> list[str]:
     return [*values, *(quote(v, safe="") for v in values if quote(v, safe="") != v)]
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine for ``url`` that checks connections before use."""
+def make_engine(url: str, *, ping_after_idle: float | None = None, **kwargs: Any) -> Engine:
+    """An engine for ``url`` that checks connections before use: every time, or with
+    ``ping_after_idle``, only those that were idle in the pool that many seconds."""
     try:
-        return create_engine(normalise_url(url), pool_pre_ping=True, **kwargs)
+        engine = create_engine(normalise_url(url), pool_pre_ping=ping_after_idle is None, **kwargs)
     except (ArgumentError, ValueError) as exc:
         raise ConfigurationError(f"invalid database URL {redact_url(url)}: {exc}") from None
+    if ping_after_idle is not None:
+        _ping_after_idle(engine, ping_after_idle)
+    return engine
+
+
+def _ping_after_idle(engine: Engine, seconds: float) -> None:
+    """Check a pooled connection before use only when it has been idle ``seconds``.
+
+    A connection handed back a moment ago is as good as the statement that just
+    ran on it: checking it costs a round trip before each transaction, which a
+    loop of short transactions pays on every one. One that sat idle longer may
+    have been dropped (a restarted server, a proxy's idle timeout): it is
+    checked, and replaced if dead, as ``pool_pre_ping`` would. A connection that
+    breaks within ``seconds`` fails its statement, as any connection may mid-use.
+    """
+    pool = engine.pool
+    dialect = engine.dialect
+
+    def checked_in(dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    def checked_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        idle_since = record.info.get("idle_since")
+        if idle_since is None or time.monotonic() - idle_since < seconds:
+            return
+        try:
+            alive = dialect.do_ping(dbapi_connection)
+        except Exception as exc:
+            raise DisconnectionError(f"pooled connection failed its check: {exc}") from exc
+        if not alive:
+            raise DisconnectionError("pooled connection failed its check")
+
+    event.listen(pool, "checkin", checked_in)
+    event.listen(pool, "checkout", checked_out)
 
 
 def short_command_engine(url: str, *, connect_timeout: float = 10.0) -> Engine:

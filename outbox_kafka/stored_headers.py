@@ -170,4 +170,8 @@ def message_size(key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> 
 
 def headers_size(headers: list[tuple[str, bytes]]) -> int:
     """Bytes the headers' names (UTF-8) and values occupy."""
-    return sum(len(name.encode("utf-8")) + len(value) for name, value in headers)
+    size = 0
+    for name, value in headers:
+        # An ASCII name is as long in bytes as in characters: no encoding needed.
+        size += len(value) + (len(name) if name.isascii() else len(name.encode("utf-8")))
+    return size

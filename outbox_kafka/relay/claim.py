@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from outbox_kafka.errors import EventError
 from outbox_kafka.limits import enqueue_limit_for
@@ -116,10 +116,30 @@ class ClaimSizer:
             self.keys_per_claim = min(batch, asked * 2)
 
 
+#: Decodes an envelope's text where it begins, without :func:`json.loads`'s own
+#: Python steps (its type checks, its whitespace matches): at one envelope per
+#: event, those cost more than half as much as the decoding itself.
+_DECODER = json.JSONDecoder()
+
+
+def decode_envelope(value: bytes | str) -> Any:
+    """``json.loads(value)``, faster for text that is one JSON value from its first
+    character to its last (as envelopes are written); the same result or error."""
+    if isinstance(value, str):
+        try:
+            decoded, end = _DECODER.raw_decode(value)
+        except ValueError:
+            pass  # whitespace first, or not JSON: json.loads says which
+        else:
+            if end == len(value):
+                return decoded
+    return json.loads(value)
+
+
 def check_envelope(value: bytes | str, event_id: str, key: str) -> str | None:
     """Why ``value`` (the bytes, or their text) is not a sendable envelope, or None."""
     try:
-        envelope = json.loads(value)
+        envelope = decode_envelope(value)
     except ValueError as exc:
         return f"envelope is not JSON: {exc}"
     except RecursionError:

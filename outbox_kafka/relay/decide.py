@@ -227,6 +227,9 @@ class RetryPolicy:
         provisional, and draws no backoff past that point: once the copies'
         answers are in ``results.copies``, the key is settled again.
         """
+        acknowledged = _all_acknowledged(key, due, results, per_key_limit)
+        if acknowledged is not None:
+            return acknowledged
         #: A copy's answer was assumed: what follows is provisional (no backoff drawn).
         rehearsal = False
         next_seq = due[-1].seq + 1
@@ -324,13 +327,7 @@ class RetryPolicy:
                 held_back = held_back or event
                 blocked = parked = True
                 next_seq = event.seq
-        # Every claimed event was due, and the key had nothing more visible when
-        # claimed: fewer events than asked for, or all it had been handed out.
-        drained = (
-            not key.withheld
-            and len(due) == len(key.events)
-            and (len(key.events) < per_key_limit or key.waiting_beyond_claim == 0)
-        )
+        drained = _drained(key, due, per_key_limit)
         if in_producer:
             delay = max(delay, in_flight_hold(self.lease_seconds))
         if next_seq == key.next_seq and not settled.events and not delay and not parked:
@@ -381,6 +378,52 @@ class RetryPolicy:
             )
         )
         return backoff
+
+
+def _drained(key: ClaimedKey, due: list[ClaimedEvent], per_key_limit: int) -> bool:
+    """Whether every claimed event was due, and the key had nothing more visible when
+    claimed: fewer events than asked for, or all it had been handed out."""
+    return (
+        not key.withheld
+        and len(due) == len(key.events)
+        and (len(key.events) < per_key_limit or key.waiting_beyond_claim == 0)
+    )
+
+
+def _all_acknowledged(
+    key: ClaimedKey, due: list[ClaimedEvent], results: BatchResults, per_key_limit: int
+) -> Settlement | None:
+    """The settlement of a key whose every event in the batch Kafka acknowledged (most
+    keys of most batches), as :meth:`RetryPolicy.settle` walks it, in one short pass;
+    None when any of them was not."""
+    deliveries = results.deliveries
+    problems = results.problems
+    name = key.key
+    out: list[EventOutcome] = []
+    for event in due:
+        delivery = deliveries.get(id(event))
+        if (
+            delivery is None
+            or delivery.verdict != Verdict.DELIVERED
+            or not delivery.reported
+            or not delivery.sent
+            or id(event) in problems
+        ):
+            return None
+        out.append(
+            EventOutcome(
+                event.event_id,
+                name,
+                EventStatus.DELIVERED,
+                0,
+                0.0,
+                delivery.partition,
+                delivery.offset,
+                None,
+            )
+        )
+    outcome = KeyOutcome(name, due[-1].seq + 1, 0.0, False, _drained(key, due, per_key_limit))
+    return Settlement(outcome, out, list(due))
 
 
 #: Longest reason a dead-letter copy carries in its ``outbox_error`` header (bytes).

@@ -29,6 +29,7 @@ from sqlalchemy import Engine
 from outbox_kafka.database import make_engine, storage_errors
 from outbox_kafka.errors import StorageError
 from outbox_kafka.naming import TableNames
+from outbox_kafka.relay.batch_histogram import BatchHistogram
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.decide import Discard, Hold, OrderViolation, Retry, error_label
 from outbox_kafka.relay.observe import RelayObserver
@@ -228,11 +229,12 @@ class RelayMetrics(RelayObserver):
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
-        self.commit_to_ack_seconds = Histogram(
+        #: One latency per delivered event: observed a batch at a time.
+        self.commit_to_ack_seconds = BatchHistogram(
             "outbox_commit_to_ack_seconds",
             "Time from an event's write to its recorded acknowledgement (database clock).",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            r,
         )
         self.producer = producer if producer is not None else ProducerMetrics(r)
         self.pending_events = Gauge(
@@ -330,8 +332,7 @@ class RelayMetrics(RelayObserver):
 
     def recorded(self, result: RecordResult, seconds: float) -> None:
         self.record_seconds.observe(seconds)
-        for latency in result.latencies:
-            self.commit_to_ack_seconds.observe(latency)
+        self.commit_to_ack_seconds.observe_many(result.latencies)
 
     def lease_lost(self, keys: int) -> None:
         self.leases_lost.inc(keys)

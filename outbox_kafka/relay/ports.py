@@ -39,7 +39,7 @@ class Message(NamedTuple):
     partition: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Delivery:
     """What became of one message handed to the publisher."""
 

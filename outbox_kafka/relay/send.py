@@ -385,6 +385,27 @@ class _Reports:
         self.lock = threading.Lock()
         self.closed = False
 
+    def report(self, delivery: Delivery, err: KafkaError | None, msg: Any) -> None:
+        """A delivery report, served by whichever loop's wait or poll runs it.
+
+        Ignored once the batch's wait has ended (its deliveries are being
+        decided on by then: the message counts as unreported); ``reported``
+        is set last, so a waiting loop never sees a report half written.
+        """
+        with self.lock:
+            if self.closed:
+                return
+            if err is None:
+                delivery.verdict = Verdict.DELIVERED
+                delivery.partition = msg.partition()
+                delivery.offset = msg.offset()
+            else:
+                delivery.verdict = _verdict(err, reported=True)
+                delivery.error = _describe(err)
+                delivery.fatal = _needs_rebuild(err)
+                delivery.may_have_landed = err.code() not in _NOT_APPENDED_CODES
+            delivery.reported = True
+
 
 class Publisher:
     """Sends batches with an idempotent producer and reports each message's fate."""
@@ -618,7 +639,7 @@ class Publisher:
         producer = self._producer
         produce: Any = producer.produce
         reports = _Reports()
-        on_delivery = partial(self._on_delivery, reports)
+        on_delivery = reports.report
         for msg, delivery in zip(messages, deliveries, strict=True):
             if msg.key in held:
                 continue
@@ -671,30 +692,6 @@ class Publisher:
             except BufferError:
                 # Local queue full: serve delivery reports to make room.
                 producer.poll(0.05)
-
-    @staticmethod
-    def _on_delivery(
-        reports: _Reports, delivery: Delivery, err: KafkaError | None, msg: Any
-    ) -> None:
-        """A delivery report, served by whichever loop's wait or poll runs it.
-
-        Ignored once the batch's wait has ended (its deliveries are being
-        decided on by then: the message counts as unreported); ``reported``
-        is set last, so a waiting loop never sees a report half written.
-        """
-        with reports.lock:
-            if reports.closed:
-                return
-            if err is None:
-                delivery.verdict = Verdict.DELIVERED
-                delivery.partition = msg.partition()
-                delivery.offset = msg.offset()
-            else:
-                delivery.verdict = _verdict(err, reported=True)
-                delivery.error = _describe(err)
-                delivery.fatal = _needs_rebuild(err)
-                delivery.may_have_landed = err.code() not in _NOT_APPENDED_CODES
-            delivery.reported = True
 
     def _wait(
         self,

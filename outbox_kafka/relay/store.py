@@ -43,6 +43,10 @@ _ADMIT_PER_KEY = 2
 _ADMIT_PASSES = 4
 
 
+#: A pooled connection idle this long is checked before the relay uses it; one used
+#: since is not: a busy relay's claims and records go without a round trip each.
+PING_AFTER_IDLE_SECONDS = 1.0
+
 #: SQLSTATEs of convert_from on bytes that are not UTF-8 text: an invalid byte
 #: sequence (a zero byte included), or a character the server encoding lacks.
 _NOT_UTF8_TEXT = frozenset({"22021", "22P05"})
@@ -80,7 +84,11 @@ class Store:
         # READ COMMITTED whatever the server's default: the claim and the record
         # rely on each statement seeing what committed before it began.
         self._engine = engine or make_engine(
-            database_url, pool_size=3, max_overflow=2, isolation_level="READ COMMITTED"
+            database_url,
+            ping_after_idle=PING_AFTER_IDLE_SECONDS,
+            pool_size=3,
+            max_overflow=2,
+            isolation_level="READ COMMITTED",
         )
         self._q = queries_for(names)
         #: Where the next admission pass starts (see admit_arrivals in queries.sql).
@@ -89,20 +97,18 @@ class Store:
         self.arrivals_left = False
 
     @contextlib.contextmanager
-    def _cursor(self, what: str, *, index_plans: bool = False) -> Iterator[Any]:
-        """A raw cursor in its own transaction, committed on success; with
-        ``index_plans``, its statements planned by index (see index_plans in
-        queries.sql): the claim's and the record's.
+    def _cursor(self, what: str) -> Iterator[Any]:
+        """A raw cursor in its own transaction, committed on success.
 
         The relay's two hot statements bypass SQLAlchemy's result layer: at a
         thousand rows per batch, building Row objects costs more than the query.
+        The claim's and the record's transactions plan by index (see index_plans
+        in queries.sql), sent with their first statement in one round trip.
         """
         with storage_errors(what), self._engine.connect() as conn:
             dbapi: Any = conn.connection.dbapi_connection
             cur = dbapi.cursor()
             try:
-                if index_plans:
-                    cur.execute(self._q.driver_sql("index_plans"))
                 yield cur
                 dbapi.commit()
             except BaseException:
@@ -199,11 +205,15 @@ class Store:
         return Claim(token=token, keys=list(keys.values()), per_key_limit=per_key, session=session)
 
     def _admit(self, cur: Any, limit: int) -> None:
-        """Move producers' arrivals into the key queue, a few passes at most."""
-        for _ in range(_ADMIT_PASSES):
+        """Move producers' arrivals into the key queue, a few passes at most; the first
+        pass is the claim's first statement, sent with index_plans."""
+        for i in range(_ADMIT_PASSES):
             start = self._admit_after
             cur.execute(
-                self._q.driver_sql("admit_arrivals"), {"after_key": start, "admit_limit": limit}
+                self._q.driver_batch("index_plans", "admit_arrivals")
+                if i == 0
+                else self._q.driver_sql("admit_arrivals"),
+                {"after_key": start, "admit_limit": limit},
             )
             moved, last_key = cur.fetchone()
             if moved == limit:
@@ -223,7 +233,7 @@ class Store:
         """Run the claim; its rows, whether their values came as text, each key's
         share of the batch (the most events read per key), and by key when it was
         due before the claim (seconds since the epoch) and its doubtful sessions."""
-        with self._cursor("claiming events", index_plans=True) as cur:
+        with self._cursor("claiming events") as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
             # The keys that producers added since the last claim join the queue
             # first (admit_arrivals). Then two statements, so that the events are
@@ -234,12 +244,11 @@ class Store:
             leased = cur.fetchall()
             if not leased:
                 return [], as_text, params["batch_size"], {}
-            cur.execute(
-                self._q.driver_sql("lease_keys"),
-                {**params, "key_names": pg_text_array([row[0] for row in leased])},
-            )
+            key_names = pg_text_array([row[0] for row in leased])
+            lease = {**params, "key_names": key_names}
             unrecorded = [(row[0], row[4]) for row in leased if row[4] is not None]
             if unrecorded:
+                cur.execute(self._q.driver_sql("lease_keys"), lease)
                 # Claimed before and never recorded: in doubt about that claim's session.
                 cur.execute(
                     self._q.driver_sql("doubt_keys"),
@@ -250,10 +259,13 @@ class Store:
                 )
             per_key = max(1, params["batch_size"] // len(leased))
             try:
+                # Without keys in doubt, the lease and the read go in one round trip.
                 cur.execute(
-                    self._q.driver_sql("claim_events"),
+                    self._q.driver_sql("claim_events")
+                    if unrecorded
+                    else self._q.driver_batch("lease_keys", "claim_events"),
                     {
-                        "key_names": pg_text_array([row[0] for row in leased]),
+                        **lease,
                         "key_next_seqs": pg_int_array([row[1] for row in leased]),
                         # The keys' places in the queue: the budget goes in their order.
                         "key_due_ats": pg_array([row[2] for row in leased]),
@@ -313,8 +325,8 @@ class Store:
             "event_offsets": pg_array([e.offset for e in others]),
             "event_errors": pg_array([e.error for e in others]),
         }
-        with self._cursor("recording delivered events", index_plans=True) as cur:
-            cur.execute(self._q.driver_sql("record_batch"), params)
+        with self._cursor("recording delivered events") as cur:
+            cur.execute(self._q.driver_batch("index_plans", "record_batch"), params)
             keys_owned, keys_removed, delivered, discarded, retried, latencies = cur.fetchone()
         return RecordResult(
             keys_owned=keys_owned,
@@ -322,7 +334,7 @@ class Store:
             delivered=delivered,
             discarded=discarded,
             retried=retried,
-            latencies=[float(x) for x in (latencies or [])],
+            latencies=list(latencies or ()),
         )
 
     # Floors: where each relay session's unrecorded messages may begin.

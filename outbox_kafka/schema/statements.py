@@ -161,6 +161,12 @@ class Queries:
             cached = self._driver[name] = str(compiled)
         return cached
 
+    def driver_batch(self, *names: str) -> str:
+        """Several statements in psycopg2's style, sent as one string: one round trip,
+        each statement run in turn (its own snapshot under READ COMMITTED); the
+        driver returns the last one's rows."""
+        return ";\n".join(self.driver_sql(name) for name in names)
+
     def migrations(self) -> list[Migration]:
         return [
             Migration(m.version, m.name, render(m.sql, self.names), render(m.adopt_sql, self.names))

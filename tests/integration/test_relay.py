@@ -416,6 +416,12 @@ class _ExplainingCursor(psycopg2.extensions.cursor):
     watched: ClassVar[dict[str, str]] = {}
 
     def execute(self, query: Any, vars: Any = None) -> None:
+        statements = query.split(";\n") if isinstance(query, str) else [query]
+        if len(statements) > 1:
+            # Statements the store sends together (Queries.driver_batch), one by one.
+            for statement in statements:
+                self.execute(statement, vars)
+            return
         name = self.watched.get(query)
         if name is not None:
             super().execute("SAVEPOINT explained")

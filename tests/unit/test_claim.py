@@ -3,12 +3,14 @@ claim asks for, and whether to read a claim ahead (no services)."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Callable
 
 import pytest
 
 from outbox_kafka.relay.batch import Claim, ClaimedEvent, ClaimedKey
-from outbox_kafka.relay.claim import ClaimSizer, worth_reading_ahead
+from outbox_kafka.relay.claim import ClaimSizer, decode_envelope, worth_reading_ahead
 
 
 def _event(key: str, seq: int, topic: str = "t") -> ClaimedEvent:
@@ -114,3 +116,36 @@ def test_no_claim_is_read_ahead_when_nothing_claimed_is_due() -> None:
         k.events[:] = [e._replace(due=False) for e in k.events]
     assert not worth_reading_ahead(claim, asked=2, batch_size=10)
     assert not worth_reading_ahead(_claim([], 10), asked=2, batch_size=10)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1}',
+        ' {"a": 1}',
+        '{"a": 1}\n',
+        '\t{"a": [1, 2]} ',
+        '{"a": 1} x',
+        '{"a": 1}{"b": 2}',
+        '{"a": ',
+        "",
+        "   ",
+        "nan",
+        "NaN",
+        '"text"',
+        "[" * 100_000,
+    ],
+)
+def test_an_envelope_decodes_as_json_loads_decodes_it(text: str) -> None:
+    """The envelope check's decoder takes its short path only where json.loads would
+    give the same value; everywhere else it gives what json.loads gives, error included."""
+
+    def outcome(decode: Callable[[str], object]) -> object:
+        try:
+            return ("value", decode(text))
+        except RecursionError:
+            return ("too deep",)
+        except ValueError as exc:
+            return ("error", str(exc))
+
+    assert outcome(decode_envelope) == outcome(json.loads)
