@@ -29,7 +29,15 @@ from outbox_kafka.relay import Relay
 from outbox_kafka.relay.store import Store
 
 from .broker import Kafka
-from .common import BenchContext, PlotPoint, Result, Target, load_average, paired_ratios
+from .common import (
+    BenchContext,
+    PlotPoint,
+    Result,
+    Target,
+    as_in_a_relay_process,
+    load_average,
+    paired_ratios,
+)
 from .producer import ROUTES, SCHEMA_DIR
 from .tables import ServerFill, Table
 from .workload import HOT_KEY
@@ -176,6 +184,7 @@ class HotKeyBench:
     def measure(self) -> list[Shape]:
         ctx = self.ctx
         shapes: list[Shape] = []
+        as_in_a_relay_process()
         with contextlib.ExitStack() as stack:
             topics = {name: stack.enter_context(self.kafka.topic()) for name in SHAPES}
             for name, (label, fill) in self.fills_for(topics).items():

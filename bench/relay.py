@@ -34,7 +34,15 @@ from outbox_kafka.relay import Relay
 from outbox_kafka.stored_headers import headers_from_json
 
 from .broker import PARTITIONS, Kafka
-from .common import BenchContext, PlotPoint, Result, Target, load_average, paired_ratios
+from .common import (
+    BenchContext,
+    PlotPoint,
+    Result,
+    Target,
+    as_in_a_relay_process,
+    load_average,
+    paired_ratios,
+)
 from .processes import empty_drain, gated_relays
 from .producer import EVENT_TYPE, ROUTES, SCHEMA_DIR
 from .tables import CALLS_PER_TRANSACTION, FILL_BATCH, Table
@@ -224,6 +232,7 @@ class ThroughputBench:
         ctx = self.ctx
         with ctx.fresh_database("bench_throughput") as url:
             table = Table(ctx, url, self.outbox)
+            as_in_a_relay_process()
             try:
                 for run in range(ctx.runs):
                     for size in SIZES:
@@ -401,7 +410,10 @@ def notes(bench: ThroughputBench, outbox: Outbox) -> list[str]:
         f"enqueue_many ({FILL_BATCH:,} per call, {CALLS_PER_TRANSACTION} calls per transaction) "
         "and ANALYZEd; the raw producer, naive loop and in-process relay have delivered one "
         "warm-up message (to another topic) before the clock starts; the naive loop runs its "
-        "SELECT and UPDATE on a raw psycopg2 cursor, as the relay does",
+        "SELECT and UPDATE on a raw psycopg2 cursor, as the relay does; before any of them is "
+        "timed, the bench freezes its objects out of the garbage collector's sight (gc.freeze), "
+        "as `outbox-kafka relay` does once started, so that full collections walk neither "
+        "side's process heap",
         "throughput: `relay xK, processes` = K `python -m outbox_kafka.cli relay` processes "
         "(run mode, defaults) started together while the bench holds an ACCESS EXCLUSIVE "
         "lock on the key queue; once all K claims wait on it (pg_stat_activity) and 0.5 s "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -177,6 +178,10 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         raise
     try:
         stopping.attach(relay)
+        # What start-up made (modules, the engine, the producer) lives as long as the
+        # process: out of the garbage collector's sight, its full collections no
+        # longer walk it while the loop makes and drops a batch's objects.
+        gc.freeze()
         return stopping.run_until_stopped(
             lambda: _run_relay(args, relay), EXIT_WORK_LEFT if args.drain else 0
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -307,16 +307,25 @@ class RelayMetrics(RelayObserver):
         self.publish_seconds.observe(seconds)
 
     def settled(self, settlement: Settlement) -> None:
-        # Announced once per key: each topic's counter is looked up once per relay.
+        self.settled_all((settlement,))
+
+    def settled_all(self, settlements: Sequence[Settlement]) -> None:
+        # Counted once per batch: each topic's counter is looked up once per relay
+        # and incremented once per batch.
         published: dict[str, int] = {}
-        for event in settlement.delivered:
-            published[event.topic] = published.get(event.topic, 0) + 1
+        for settlement in settlements:
+            for event in settlement.delivered:
+                published[event.topic] = published.get(event.topic, 0) + 1
+            if settlement.decisions:
+                self._count_decisions(settlement)
         counters = self._published_by_topic
         for topic, count in published.items():
             counter = counters.get(topic)
             if counter is None:
                 counter = counters[topic] = self.published.labels(topic=topic)
             counter.inc(count)
+
+    def _count_decisions(self, settlement: Settlement) -> None:
         for decision in settlement.decisions:
             if isinstance(decision, OrderViolation):
                 self.order_violations.labels(topic=decision.later.topic).inc()

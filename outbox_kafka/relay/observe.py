@@ -104,6 +104,15 @@ class RelayObserver:
         """One key's decisions after its batch: delivered events, retries, holds,
         discards, order violations (see :class:`~outbox_kafka.relay.decide.Settlement`)."""
 
+    def settled_all(self, settlements: Sequence[Settlement]) -> None:
+        """Every key's decisions after a batch, announced once per batch: by default
+        :meth:`settled` for each key in turn. A subscriber that counts them overrides
+        this to count the batch at once."""
+        if type(self).settled is RelayObserver.settled:
+            return  # nothing to hear per key
+        for settlement in settlements:
+            self.settled(settlement)
+
     def recorded(self, result: RecordResult, seconds: float) -> None:
         """A batch's outcome was recorded in ``seconds``."""
 
@@ -214,6 +223,9 @@ class Observers(RelayObserver):
 
     def settled(self, settlement: Settlement) -> None:
         self._each("settled", settlement)
+
+    def settled_all(self, settlements: Sequence[Settlement]) -> None:
+        self._each("settled_all", settlements)
 
     def recorded(self, result: RecordResult, seconds: float) -> None:
         self._each("recorded", result, seconds)

@@ -170,7 +170,7 @@ class BatchSender:
         for settled in settlements:
             batch.keys.append(settled.key)
             batch.events.extend(settled.events)
-            self.observer.settled(settled)
+        self.observer.settled_all(settlements)
         return batch
 
     def _send(self, messages: list[Message], lease_ends: float) -> list[Delivery]:

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from outbox_kafka.relay import Relay, RelayMetrics, RelaySettings
-from outbox_kafka.relay.batch import Claim, RecordResult
-from outbox_kafka.relay.decide import Discard, Settlement
+from outbox_kafka.relay.batch import Claim, ClaimedEvent, KeyOutcome, RecordResult
+from outbox_kafka.relay.decide import Discard, Retry, Settlement
 from outbox_kafka.relay.observe import Observers, RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.testing import InMemoryStore, StubPublisher
@@ -140,3 +140,54 @@ def test_a_subscriber_that_raises_is_reported_and_the_relay_goes_on(
     ]
     assert all(r.exc_info for r in caplog.records if getattr(r, "action", "") == "background_error")
     assert _value(metrics, "outbox_background_errors_total") == 3
+
+
+def _settlements() -> list[Settlement]:
+    """Three keys' settlements: deliveries to two topics, a discard, a retry."""
+
+    def event(key: str, seq: int, topic: str) -> ClaimedEvent:
+        return ClaimedEvent(f"{key}-{seq}", key, seq, topic, "t", b"{}", [], 0, True, 0.0)
+
+    a = [event("a", 1, "orders"), event("a", 2, "orders")]
+    b = [event("b", 1, "payments")]
+    c = [event("c", 1, "orders"), event("c", 2, "orders")]
+    return [
+        Settlement(KeyOutcome("a", 3, 0.0, False, True), [], a),
+        Settlement(
+            KeyOutcome("b", 2, 0.0, False, True),
+            [],
+            [],
+            [Discard(b[0], 3, "gave up", "MSG_TIMED_OUT: late")],
+        ),
+        Settlement(
+            KeyOutcome("c", 2, 1.0, False, False),
+            [],
+            c[:1],
+            [Retry(c[1], 1, "REQUEST_TIMED_OUT: slow")],
+        ),
+    ]
+
+
+def test_a_batch_of_settlements_counts_as_its_keys_one_by_one() -> None:
+    """settled_all: the metrics count a batch at once as they count it key by key, and
+    a subscriber that only hears single keys hears each of them."""
+    together, one_by_one = RelayMetrics(CollectorRegistry()), RelayMetrics(CollectorRegistry())
+    recorder, silent = _Recorder(), RelayObserver()
+    Observers([together, recorder, silent]).settled_all(_settlements())
+    for settlement in _settlements():
+        one_by_one.settled(settlement)
+    for name in (
+        "outbox_events_published_total",
+        "outbox_events_discarded_total",
+        "outbox_events_retried_total",
+    ):
+        assert _value(together, name) == _value(one_by_one, name) > 0, name
+    samples = {
+        s.labels.get("topic"): s.value
+        for m in together.registry.collect()
+        for s in m.samples
+        if s.name == "outbox_events_published_total"
+    }
+    assert samples == {"orders": 3}
+    assert recorder.delivered == ["a-1", "a-2", "c-1"]
+    assert recorder.discarded == ["b-1"]
