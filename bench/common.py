@@ -197,13 +197,19 @@ class BenchContext:
 _STARTED = time.monotonic()
 
 
-def as_in_a_relay_process() -> None:
-    """Set the garbage collector as ``outbox-kafka relay`` does once it has started:
-    what exists now is frozen out of its sight (``gc.freeze``), so that its full
-    collections do not walk the bench's own heap while a relay in this process
-    makes and drops a batch's objects. Called before in-process relays are timed;
-    the loops they are compared with run under the same setting."""
+@contextlib.contextmanager
+def as_in_a_relay_process() -> Iterator[None]:
+    """The garbage collector as ``outbox-kafka relay`` sets it once it has started:
+    what exists now is collected, then frozen out of its sight (``gc.freeze``), so
+    that its full collections do not walk the bench's own heap while a relay in this
+    process makes and drops a batch's objects; unfrozen after the block. In-process
+    relays are timed inside it, and so are the loops they are compared with."""
+    gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def progress(message: str) -> None:

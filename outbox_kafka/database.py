@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import quote
 
@@ -13,7 +14,7 @@ import psycopg2
 import psycopg2.extensions
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, InvalidatePoolError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from outbox_kafka.errors import ConfigurationError, OutboxError, StorageError
@@ -90,27 +91,46 @@ def url_secrets(url: str) -> list[str]:
 
 
 def make_engine(url: str, *, ping_after_idle: float | None = None, **kwargs: Any) -> Engine:
-    """An engine for ``url`` that checks connections before use: every time, or with
-    ``ping_after_idle``, only those that were idle in the pool that many seconds."""
+    """An engine for ``url`` that checks a pooled connection before each use.
+
+    With ``ping_after_idle``, connections checked out inside :func:`unchecked_when_fresh`
+    skip the check when they were used less than that many seconds before.
+    """
     try:
         engine = create_engine(normalise_url(url), pool_pre_ping=ping_after_idle is None, **kwargs)
     except (ArgumentError, ValueError) as exc:
         raise ConfigurationError(f"invalid database URL {redact_url(url)}: {exc}") from None
     if ping_after_idle is not None:
-        _ping_after_idle(engine, ping_after_idle)
+        _ping_unless_fresh(engine, ping_after_idle)
     return engine
 
 
-def _ping_after_idle(engine: Engine, seconds: float) -> None:
-    """Check a pooled connection before use only when it has been idle ``seconds``.
+#: Set inside :func:`unchecked_when_fresh`, for the thread (or task) that set it.
+_UNCHECKED_WHEN_FRESH: ContextVar[bool] = ContextVar("outbox_unchecked_when_fresh", default=False)
 
-    A connection handed back a moment ago is as good as the statement that just
-    ran on it: checking it costs a round trip before each transaction, which a
-    loop of short transactions pays on every one. One that sat idle longer may
-    have been dropped (a restarted server, a proxy's idle timeout): it is
-    checked, and replaced if dead, as ``pool_pre_ping`` would. A connection that
-    breaks within ``seconds`` fails its statement, as any connection may mid-use.
+
+@contextlib.contextmanager
+def unchecked_when_fresh() -> Iterator[None]:
+    """Connections checked out in this block from an engine made with ``ping_after_idle``
+    go out without a check when they were used within that many seconds.
+
+    For a loop of short transactions that retries a statement that fails: a check
+    is a round trip before each transaction, and a connection handed back a moment
+    ago is as good as the statement that just ran on it. One that broke since (a
+    restarted server) fails its first statement, as a connection may mid-use, and
+    the loop retries on a new one.
     """
+    token = _UNCHECKED_WHEN_FRESH.set(True)
+    try:
+        yield
+    finally:
+        _UNCHECKED_WHEN_FRESH.reset(token)
+
+
+def _ping_unless_fresh(engine: Engine, seconds: float) -> None:
+    """Check pooled connections before use as ``pool_pre_ping`` does, except fresh ones
+    inside :func:`unchecked_when_fresh`; a dead one is replaced, and so is every
+    connection of the pool older than it, as ``pool_pre_ping`` does."""
     pool = engine.pool
     dialect = engine.dialect
 
@@ -119,14 +139,16 @@ def _ping_after_idle(engine: Engine, seconds: float) -> None:
 
     def checked_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         idle_since = record.info.get("idle_since")
-        if idle_since is None or time.monotonic() - idle_since < seconds:
+        if idle_since is None:
+            return  # connected for this checkout: nothing to check
+        if _UNCHECKED_WHEN_FRESH.get() and time.monotonic() - idle_since < seconds:
             return
         try:
             alive = dialect.do_ping(dbapi_connection)
         except Exception as exc:
-            raise DisconnectionError(f"pooled connection failed its check: {exc}") from exc
+            raise InvalidatePoolError(f"pooled connection failed its check: {exc}") from exc
         if not alive:
-            raise DisconnectionError("pooled connection failed its check")
+            raise InvalidatePoolError("pooled connection failed its check")
 
     event.listen(pool, "checkin", checked_in)
     event.listen(pool, "checkout", checked_out)

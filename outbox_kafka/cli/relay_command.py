@@ -180,7 +180,9 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         stopping.attach(relay)
         # What start-up made (modules, the engine, the producer) lives as long as the
         # process: out of the garbage collector's sight, its full collections no
-        # longer walk it while the loop makes and drops a batch's objects.
+        # longer walk it while the loop makes and drops a batch's objects. Start-up's
+        # own garbage is collected first, so that none of it stays for good.
+        gc.collect()
         gc.freeze()
         return stopping.run_until_stopped(
             lambda: _run_relay(args, relay), EXIT_WORK_LEFT if args.drain else 0

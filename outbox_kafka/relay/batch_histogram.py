@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import cast
 
 from prometheus_client import CollectorRegistry
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
@@ -85,5 +86,8 @@ class BatchHistogram(Collector):
             cumulative += count
             buckets.append((label, float(cumulative)))
         family.add_metric([], buckets, total)
-        family.samples.append(Sample(f"{self.name}_created", {}, self._created, None, None))
+        # As prometheus_client's own metrics: unless its _created series are turned off
+        # (disable_created_metrics(), PROMETHEUS_DISABLE_CREATED_SERIES).
+        if getattr(prometheus_metrics, "_use_created", True):
+            family.samples.append(Sample(f"{self.name}_created", {}, self._created, None, None))
         yield family

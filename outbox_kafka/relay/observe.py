@@ -108,10 +108,9 @@ class RelayObserver:
         """Every key's decisions after a batch, announced once per batch: by default
         :meth:`settled` for each key in turn. A subscriber that counts them overrides
         this to count the batch at once."""
-        if type(self).settled is RelayObserver.settled:
-            return  # nothing to hear per key
-        for settlement in settlements:
-            self.settled(settlement)
+        if _hears(self, "settled"):
+            for settlement in settlements:
+                self.settled(settlement)
 
     def recorded(self, result: RecordResult, seconds: float) -> None:
         """A batch's outcome was recorded in ``seconds``."""
@@ -151,6 +150,14 @@ class RelayObserver:
 
     def sample_failed(self, what: str, error: Exception) -> None:
         """A sample (``what``: ``backlog`` or ``consistency``) failed."""
+
+
+def _hears(observer: RelayObserver, announcement: str) -> bool:
+    """Whether ``observer`` does something with ``announcement`` (its class or the
+    instance itself has its own), rather than the base class's nothing."""
+    return announcement in vars(observer) or getattr(type(observer), announcement) is not getattr(
+        RelayObserver, announcement
+    )
 
 
 class Observers(RelayObserver):
@@ -225,7 +232,20 @@ class Observers(RelayObserver):
         self._each("settled", settlement)
 
     def settled_all(self, settlements: Sequence[Settlement]) -> None:
-        self._each("settled_all", settlements)
+        for o in self.observers:
+            if type(o).settled_all is not RelayObserver.settled_all:
+                try:
+                    o.settled_all(settlements)
+                except Exception as exc:
+                    self._failed(o, "settled_all", exc)
+            elif _hears(o, "settled"):
+                # Key by key, each on its own: a key it fails on does not keep the
+                # others from it, and the failure is its settled's.
+                for settlement in settlements:
+                    try:
+                        o.settled(settlement)
+                    except Exception as exc:
+                        self._failed(o, "settled", exc)
 
     def recorded(self, result: RecordResult, seconds: float) -> None:
         self._each("recorded", result, seconds)

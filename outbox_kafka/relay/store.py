@@ -17,7 +17,7 @@ from typing import Any
 import psycopg2
 from sqlalchemy import Engine
 
-from outbox_kafka.database import make_engine, redact_url, storage_errors
+from outbox_kafka.database import make_engine, redact_url, storage_errors, unchecked_when_fresh
 from outbox_kafka.limits import DEFAULT_MAX_CLAIM_BYTES
 from outbox_kafka.naming import TableNames
 from outbox_kafka.purging import purge_old_events
@@ -43,8 +43,9 @@ _ADMIT_PER_KEY = 2
 _ADMIT_PASSES = 4
 
 
-#: A pooled connection idle this long is checked before the relay uses it; one used
-#: since is not: a busy relay's claims and records go without a round trip each.
+#: A claim or a record takes a pooled connection used within this many seconds without
+#: checking it first: a busy relay's claims and records go without a round trip each.
+#: Every other statement of the store, and a connection idle longer, is checked.
 PING_AFTER_IDLE_SECONDS = 1.0
 
 #: SQLSTATEs of convert_from on bytes that are not UTF-8 text: an invalid byte
@@ -97,22 +98,30 @@ class Store:
         self.arrivals_left = False
 
     @contextlib.contextmanager
-    def _cursor(self, what: str) -> Iterator[Any]:
+    def _cursor(self, what: str, *, hot: bool = False) -> Iterator[Any]:
         """A raw cursor in its own transaction, committed on success.
 
         The relay's two hot statements bypass SQLAlchemy's result layer: at a
         thousand rows per batch, building Row objects costs more than the query.
-        The claim's and the record's transactions plan by index (see index_plans
-        in queries.sql), sent with their first statement in one round trip.
+        The claim's and the record's transactions (``hot``) plan by index (see
+        index_plans in queries.sql), sent with their first statement in one round
+        trip, and take a connection used within the last second unchecked (see
+        :func:`~outbox_kafka.database.unchecked_when_fresh`): the loop retries them.
         """
-        with storage_errors(what), self._engine.connect() as conn:
+        checks = unchecked_when_fresh() if hot else contextlib.nullcontext()
+        with storage_errors(what), checks, self._engine.connect() as conn:
             dbapi: Any = conn.connection.dbapi_connection
             cur = dbapi.cursor()
             try:
                 yield cur
                 dbapi.commit()
             except BaseException:
-                dbapi.rollback()
+                if dbapi.closed:
+                    # It died under the statement: the pool must not hand it out again,
+                    # and the error to report is the statement's, not the rollback's.
+                    conn.invalidate()
+                else:
+                    dbapi.rollback()
                 raise
             finally:
                 cur.close()
@@ -233,7 +242,7 @@ class Store:
         """Run the claim; its rows, whether their values came as text, each key's
         share of the batch (the most events read per key), and by key when it was
         due before the claim (seconds since the epoch) and its doubtful sessions."""
-        with self._cursor("claiming events") as cur:
+        with self._cursor("claiming events", hot=True) as cur:
             as_text = as_text and _speaks_utf8(cur.connection)
             # The keys that producers added since the last claim join the queue
             # first (admit_arrivals). Then two statements, so that the events are
@@ -325,7 +334,7 @@ class Store:
             "event_offsets": pg_array([e.offset for e in others]),
             "event_errors": pg_array([e.error for e in others]),
         }
-        with self._cursor("recording delivered events") as cur:
+        with self._cursor("recording delivered events", hot=True) as cur:
             cur.execute(self._q.driver_batch("index_plans", "record_batch"), params)
             keys_owned, keys_removed, delivered, discarded, retried, latencies = cur.fetchone()
         return RecordResult(

@@ -1,8 +1,8 @@
-"""The relay's pooled connections: checked before use only after sitting idle.
+"""The relay's pooled connections: its claims and records take a connection used a
+moment ago without checking it; everything else checks, as ``pool_pre_ping`` does.
 
-A check is a round trip before each transaction; the relay's claim and record loops
-run short transactions back to back, so a connection handed back a moment ago goes
-out again unchecked, and one that sat idle is checked and replaced if it died.
+A check is a round trip before each transaction, and the relay's claim and record
+loops run short transactions back to back and retry a statement that fails.
 """
 
 from __future__ import annotations
@@ -10,11 +10,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import psycopg2
 import pytest
 import sqlalchemy as sa
 
-from outbox_kafka.database import make_engine
+from outbox_kafka.database import make_engine, unchecked_when_fresh
+from outbox_kafka.errors import StorageError
+from outbox_kafka.naming import TableNames
+from outbox_kafka.relay.store import Store
+
+#: Long enough that two checkouts in a row are always within it, even on a loaded machine.
+FRESH = 2.0
 
 
 def _backend_pid(engine: sa.Engine) -> int:
@@ -43,51 +48,71 @@ def _pings(engine: sa.Engine) -> list[Any]:
     return seen
 
 
-def test_a_connection_idle_past_the_threshold_is_checked_and_replaced_if_dead(
-    database_url: str, engine: sa.Engine
-) -> None:
-    pooled = make_engine(database_url, ping_after_idle=0.2, pool_size=1, max_overflow=0)
-    try:
-        pings = _pings(pooled)
-        first = _backend_pid(pooled)
+@pytest.fixture
+def pooled(database_url: str) -> Any:
+    engine = make_engine(database_url, ping_after_idle=FRESH, pool_size=1, max_overflow=0)
+    yield engine
+    engine.dispose()
+
+
+def test_a_fresh_connection_goes_out_unchecked_only_where_asked(pooled: sa.Engine) -> None:
+    pings = _pings(pooled)
+    first = _backend_pid(pooled)
+    with unchecked_when_fresh():
         assert _backend_pid(pooled) == first
-        assert pings == [], "a connection handed back a moment ago was checked"
-        _terminate(engine, first)
-        time.sleep(0.3)
-        # Idle past the threshold: checked, found dead, replaced by a new connection.
+    assert pings == [], "a connection handed back a moment ago was checked"
+    assert _backend_pid(pooled) == first
+    assert len(pings) == 1, "outside unchecked_when_fresh, a pooled connection is checked"
+
+
+def test_an_idle_connection_is_checked_and_replaced_if_dead(
+    pooled: sa.Engine, engine: sa.Engine
+) -> None:
+    pings = _pings(pooled)
+    first = _backend_pid(pooled)
+    _terminate(engine, first)
+    time.sleep(FRESH + 0.2)
+    with unchecked_when_fresh():
         replaced = _backend_pid(pooled)
-        assert len(pings) == 1
-        assert replaced != first
-    finally:
-        pooled.dispose()
+    assert len(pings) == 1
+    assert replaced != first
 
 
-def test_a_connection_handed_back_a_moment_ago_goes_out_unchecked(
-    database_url: str, engine: sa.Engine
+def test_a_fresh_connection_that_died_fails_its_statement_then_is_replaced(
+    pooled: sa.Engine, engine: sa.Engine
 ) -> None:
     """The price of skipping the check: a connection that died within the threshold
     fails its next statement, as one that dies mid-use does (the relay retries)."""
-    pooled = make_engine(database_url, ping_after_idle=60.0, pool_size=1, max_overflow=0)
-    try:
-        pings = _pings(pooled)
-        first = _backend_pid(pooled)
-        _terminate(engine, first)
-        with pytest.raises(sa.exc.OperationalError) as failed:
-            _backend_pid(pooled)
-        assert isinstance(failed.value.orig, psycopg2.OperationalError)
-        assert pings == []
-        # The failure invalidated the dead connection: the next one is new.
+    pings = _pings(pooled)
+    first = _backend_pid(pooled)
+    _terminate(engine, first)
+    with unchecked_when_fresh(), pytest.raises(sa.exc.OperationalError):
+        _backend_pid(pooled)
+    assert pings == []
+    with unchecked_when_fresh():
         assert _backend_pid(pooled) != first
-    finally:
-        pooled.dispose()
 
 
-def test_an_engine_without_a_threshold_checks_every_pooled_connection(database_url: str) -> None:
-    pooled = make_engine(database_url, pool_size=1, max_overflow=0)
+def test_a_claim_on_a_connection_that_died_fails_with_its_own_error_then_claims_again(
+    database_url: str, engine: sa.Engine
+) -> None:
+    """The store's raw cursor: the claim reports why its statement failed (not that
+    the rollback after it could not run), and the dead connection is not used again."""
+    store = Store(database_url, TableNames())
     try:
-        pings = _pings(pooled)
-        for _ in range(3):
-            _backend_pid(pooled)
-        assert len(pings) == 2  # a new connection is not checked; a pooled one always
+        store.claim(batch_size=10, lease_seconds=30.0)
+        with engine.connect() as conn:
+            pids = conn.exec_driver_sql(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            ).scalars()
+            for pid in list(pids):
+                conn.exec_driver_sql(f"SELECT pg_terminate_backend({pid}, 5000)")
+            conn.commit()
+        with pytest.raises(StorageError) as failed:
+            store.claim(batch_size=10, lease_seconds=30.0)
+        assert "already closed" not in str(failed.value)
+        assert "terminat" in str(failed.value) or "closed the connection" in str(failed.value)
+        assert store.claim(batch_size=10, lease_seconds=30.0).keys == []
     finally:
-        pooled.dispose()
+        store.close()

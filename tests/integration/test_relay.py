@@ -417,15 +417,16 @@ class _ExplainingCursor(psycopg2.extensions.cursor):
 
     def execute(self, query: Any, vars: Any = None) -> None:
         statements = query.split(";\n") if isinstance(query, str) else [query]
-        if len(statements) > 1:
-            # Statements the store sends together (Queries.driver_batch), one by one.
-            for statement in statements:
-                self.execute(statement, vars)
-            return
-        name = self.watched.get(query)
-        if name is not None:
+        for i, statement in enumerate(statements):
+            name = self.watched.get(statement)
+            if name is None:
+                continue
+            # With the statements the store sends before it in the same string
+            # (Queries.driver_batch), run as the server runs them: index_plans then
+            # steers the plan of the statement after it in the same round trip.
+            before = "".join(f"{earlier};\n" for earlier in statements[:i])
             super().execute("SAVEPOINT explained")
-            super().execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, vars)
+            super().execute(before + "EXPLAIN (ANALYZE, FORMAT JSON) " + statement, vars)
             row = self.fetchone()
             assert row is not None
             self.plans[name] = row[0][0]["Plan"]

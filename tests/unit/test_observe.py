@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from outbox_kafka.relay import Relay, RelayMetrics, RelaySettings
 from outbox_kafka.relay.batch import Claim, ClaimedEvent, KeyOutcome, RecordResult
 from outbox_kafka.relay.decide import Discard, Retry, Settlement
-from outbox_kafka.relay.observe import Observers, RelayObserver
+from outbox_kafka.relay.observe import LogObserver, Observers, RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.testing import InMemoryStore, StubPublisher
 
@@ -176,12 +176,12 @@ def test_a_batch_of_settlements_counts_as_its_keys_one_by_one() -> None:
     Observers([together, recorder, silent]).settled_all(_settlements())
     for settlement in _settlements():
         one_by_one.settled(settlement)
-    for name in (
-        "outbox_events_published_total",
-        "outbox_events_discarded_total",
-        "outbox_events_retried_total",
+    for name, count in (
+        ("outbox_events_published_total", 3),
+        ("outbox_events_discarded_total", 1),
+        ("outbox_events_retried_total", 1),
     ):
-        assert _value(together, name) == _value(one_by_one, name) > 0, name
+        assert _value(together, name) == _value(one_by_one, name) == count, name
     samples = {
         s.labels.get("topic"): s.value
         for m in together.registry.collect()
@@ -191,3 +191,24 @@ def test_a_batch_of_settlements_counts_as_its_keys_one_by_one() -> None:
     assert samples == {"orders": 3}
     assert recorder.delivered == ["a-1", "a-2", "c-1"]
     assert recorder.discarded == ["b-1"]
+
+
+def test_a_subscriber_failing_on_one_key_still_hears_the_batch_s_other_keys(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    heard: list[str] = []
+
+    class FailsOnB(RelayObserver):
+        def settled(self, settlement: Settlement) -> None:
+            if settlement.key.key == "b":
+                raise RuntimeError("settled bug")
+            heard.append(settlement.key.key)
+
+    metrics = RelayMetrics(CollectorRegistry())
+    with caplog.at_level(logging.ERROR):
+        Observers([FailsOnB(), metrics, LogObserver()]).settled_all(_settlements())
+    assert heard == ["a", "c"]
+    failed = [r.task for r in caplog.records if getattr(r, "action", "") == "background_error"]  # type: ignore[attr-defined]
+    assert failed == ["observer FailsOnB.settled"]
+    assert _value(metrics, "outbox_background_errors_total") == 1
+    assert _value(metrics, "outbox_events_published_total") == 3
