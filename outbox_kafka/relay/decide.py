@@ -250,18 +250,7 @@ class RetryPolicy:
                 delivery = results.deliveries[id(event)]
                 if held_back is not None:
                     settled.decisions.append(OrderViolation(held_back, event))
-                out.append(
-                    EventOutcome(
-                        event.event_id,
-                        key.key,
-                        EventStatus.DELIVERED,
-                        0,
-                        0.0,
-                        delivery.partition,
-                        delivery.offset,
-                        None,
-                    )
-                )
+                out.append(delivered_outcome(event, key.key, delivery))
                 settled.delivered.append(event)
                 continue
             in_producer = in_producer or verdict == Verdict.UNREPORTED
@@ -380,6 +369,20 @@ class RetryPolicy:
         return backoff
 
 
+def delivered_outcome(event: ClaimedEvent, key: str, delivery: Delivery) -> EventOutcome:
+    """An event Kafka acknowledged, where it landed: delivered, no attempt counted."""
+    return EventOutcome(
+        event.event_id,
+        key,
+        EventStatus.DELIVERED,
+        0,
+        0.0,
+        delivery.partition,
+        delivery.offset,
+        None,
+    )
+
+
 def _drained(key: ClaimedKey, due: list[ClaimedEvent], per_key_limit: int) -> bool:
     """Whether every claimed event was due, and the key had nothing more visible when
     claimed: fewer events than asked for, or all it had been handed out."""
@@ -410,18 +413,7 @@ def _all_acknowledged(
             or id(event) in problems
         ):
             return None
-        out.append(
-            EventOutcome(
-                event.event_id,
-                name,
-                EventStatus.DELIVERED,
-                0,
-                0.0,
-                delivery.partition,
-                delivery.offset,
-                None,
-            )
-        )
+        out.append(delivered_outcome(event, name, delivery))
     outcome = KeyOutcome(name, due[-1].seq + 1, 0.0, False, _drained(key, due, per_key_limit))
     return Settlement(outcome, out, list(due))
 
