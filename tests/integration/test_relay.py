@@ -485,6 +485,45 @@ def test_claim_and_record_stay_within_the_batch_when_the_queue_statistics_are_st
             )
 
 
+def test_record_reads_its_batch_not_the_backlog_of_its_keys(
+    engine: sa.Engine, database_url: str
+) -> None:
+    """A record marks its events through their ids: with a few keys each holding a
+    deep backlog, the planner read every pending event of the batch's keys (15 keys
+    of 500: 7,500 rows to mark 990) and hashed them to find the batch's."""
+    keys = [f"deep-{i:02d}" for i in range(15)]
+    enqueue_bulk(engine, topic_outbox(), seq_events("deep-topic", keys, 15 * 500))
+    with engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE")
+        conn.commit()
+    queries = queries_for(NAMES)
+    _ExplainingCursor.watched = {queries.driver_sql("record_batch"): "record_batch"}
+    _ExplainingCursor.plans = {}
+    store = Store(
+        database_url,
+        NAMES,
+        engine=make_engine(database_url, connect_args={"cursor_factory": _ExplainingCursor}),
+    )
+    try:
+        claim = store.claim(batch_size=1000, lease_seconds=30.0, max_keys=15)
+        assert claim.event_count == 990
+        outcomes = [
+            EventOutcome(e.event_id, e.key, EventStatus.DELIVERED, 0, 0.0, 0, i, None)
+            for i, e in enumerate(e for k in claim.keys for e in k.events)
+        ]
+        next_seqs = [KeyOutcome(k.key, k.events[-1].seq + 1, 0.0, False, False) for k in claim.keys]
+        assert store.record(claim.token, next_seqs, outcomes).delivered == 990
+    finally:
+        store.close()
+    for node in _plan_nodes(_ExplainingCursor.plans["record_batch"]):
+        read = _rows_read(node)
+        assert read <= 2 * 990 + 10, (
+            f"record_batch: {node['Node Type']} on "
+            f"{node.get('Relation Name') or node.get('Index Name')} reads {read} rows "
+            f"to mark 990 events: {json.dumps(_ExplainingCursor.plans['record_batch'])[:2000]}"
+        )
+
+
 @pytest.mark.slow
 def test_claim_cost_is_bounded_by_the_batch_not_by_a_hot_key_backlog(
     engine: sa.Engine, database_url: str

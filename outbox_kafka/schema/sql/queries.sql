@@ -430,8 +430,13 @@ WITH batch_keys AS (
         claim_token = :token
     FROM outcomes r
     WHERE e.event_id = r.event_id
+      -- The batch's events are found through their ids, whatever the statistics
+      -- say, and their keys' ownership is a filter on each, not a join: as a join,
+      -- the planner (which takes owned for two keys) read every pending event of
+      -- the batch's keys to find the batch's, all of a deep backlog.
+      AND e.event_id = ANY(ARRAY(SELECT event_id FROM outcomes))
       AND e.status = 'pending'
-      AND e.ordering_key IN (SELECT ordering_key FROM owned)
+      AND coalesce(e.ordering_key = ANY(ARRAY(SELECT ordering_key FROM owned)), false)
     -- As float8, not numeric: the driver reads a float array far faster than decimals.
     RETURNING e.event_id, e.status,
               CAST(EXTRACT(EPOCH FROM now() - e.created_at) AS double precision) AS latency
