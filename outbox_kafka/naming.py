@@ -38,6 +38,7 @@ _OBJECT_SUFFIXES = (
     "_migrations_pkey",
     "_enqueue_one",
     "_enqueue_many",
+    "_emit",
 )
 _MAX_BASE = _MAX_IDENTIFIER - max(len(s) for s in _OBJECT_SUFFIXES)
 
@@ -118,6 +119,38 @@ class TableNames:
         )
 
     @property
+    def emit(self) -> str:
+        """The function that puts a frame of events into the write-ahead log (migration 0007)."""
+        return f"{self.table}_emit"
+
+    @property
+    def emit_signature(self) -> str:
+        """The emit function's qualified name and argument types, for ``to_regprocedure``."""
+        return f"{_quote(self.schema)}.{_quote(self.emit)}(bytea)"
+
+    @property
+    def log_prefix(self) -> str:
+        """The prefix of this outbox's logical decoding messages (the log mode)."""
+        return f"outbox-kafka:{self.schema}.{self.table}"
+
+    @property
+    def log_slot(self) -> str:
+        """The replication slot the log mode's relay reads this outbox's messages from.
+
+        A slot name is 63 bytes at most, of lower-case letters, digits and
+        underscores; long schema and table names are replaced by a digest.
+        """
+        readable = f"outbox_kafka_{self.schema}_{self.table}"
+        if len(readable) <= _MAX_IDENTIFIER:
+            return readable
+        return "outbox_kafka_" + hashlib.blake2b(readable.encode(), digest_size=16).hexdigest()
+
+    @property
+    def log_publication(self) -> str:
+        """The publication the log mode's relay streams with: it names no table."""
+        return self.log_slot
+
+    @property
     def versions(self) -> str:
         return f"{self.table}_migrations"
 
@@ -166,6 +199,9 @@ class TableNames:
             "wake_lock": str(self.wake_lock),
             "enqueue_one": f"{s}.{_quote(self.enqueue_one)}",
             "enqueue_many": f"{s}.{_quote(self.enqueue_many)}",
+            "emit": f"{s}.{_quote(self.emit)}",
+            "log_prefix_literal": f"'{self.log_prefix}'",
+            "log_slot_literal": f"'{self.log_slot}'",
         }
         for suffix in _EVENT_SUFFIXES:
             values[f"events_{suffix}"] = _quote(f"{self.table}_{suffix}")

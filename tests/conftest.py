@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +23,12 @@ from sqlalchemy.engine import make_url
 
 from outbox_kafka import Outbox, migrate
 from outbox_kafka.database import make_engine, normalise_url
-from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker, start_postgres
+from outbox_kafka.demo.embedded import (
+    EmbeddedBroker,
+    start_broker,
+    start_postgres,
+    start_postgres_on_port,
+)
 
 from .relay_support import TcpProxy
 
@@ -45,6 +51,24 @@ def server_url(work_dir: Path) -> Iterator[str]:
         yield normalise_url(given)
         return
     pg = start_postgres(work_dir)
+    try:
+        yield normalise_url(pg.url)
+    finally:
+        pg.stop()
+
+
+@pytest.fixture(scope="session")
+def logical_server_url(work_dir: Path) -> Iterator[str]:
+    """URL of a database on an embedded server of this session's own with
+    ``wal_level = logical``, for the log mode, wherever the suite runs."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pg = start_postgres_on_port(
+        work_dir / "logical-pgdata",
+        port,
+        {"wal_level": "logical", "max_replication_slots": "20", "max_wal_senders": "20"},
+    )
     try:
         yield normalise_url(pg.url)
     finally:

@@ -27,6 +27,7 @@
 \set versions_table :table '_migrations'
 \set enqueue_one_function :table '_enqueue_one'
 \set enqueue_many_function :table '_enqueue_many'
+\set emit_function :table '_emit'
 
 -- name: grant_schema_usage
 GRANT USAGE ON SCHEMA :"schema" TO :"relay_role", :"producer_role";
@@ -80,3 +81,6 @@ GRANT EXECUTE ON FUNCTION :"schema".:"enqueue_many_function"(
     uuid[], text[], text[], text[], integer[], integer[], bytea, jsonb, timestamptz[],
     double precision[], boolean
 ) TO :"producer_role";
+-- In the log mode (migration 0007) a producer emits its events through the
+-- emit function instead, which also runs with its owner's rights.
+GRANT EXECUTE ON FUNCTION :"schema".:"emit_function"(bytea) TO :"producer_role";

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,12 +169,15 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def start_postgres_on_port(data_dir: Path, port: int) -> PostgresOnPort:
+def start_postgres_on_port(
+    data_dir: Path, port: int, settings: Mapping[str, str] | None = None
+) -> PostgresOnPort:
     """Start PostgreSQL on 127.0.0.1:``port`` with its data in ``data_dir``.
 
     The directory is initialised on first use and kept: a later start finds the
-    same databases. Raises ``ConfigurationError`` when the port is taken or a
-    server already runs on ``data_dir``.
+    same databases. ``settings``: server settings for this start (``wal_level``,
+    say), given on its command line. Raises ``ConfigurationError`` when the port
+    is taken or a server already runs on ``data_dir``.
     """
     pg = _postgres_module()
     if postgres_running(data_dir):
@@ -203,6 +207,10 @@ def start_postgres_on_port(data_dir: Path, port: int) -> PostgresOnPort:
         pg.initdb(["--auth=trust", "--encoding=utf8", "-U", "postgres"], pgdata=data_dir, user=user)
     # Loopback TCP only; no Unix socket, so the data directory's path length never matters.
     options = f"-h 127.0.0.1 -p {port} -k ''"
+    for name, value in (settings or {}).items():
+        if not re.fullmatch(r"[a-z_.]+", name) or not re.fullmatch(r"[A-Za-z0-9_.,-]+", value):
+            raise ConfigurationError(f"server setting {name}={value!r} is not a simple setting")
+        options += f" -c {name}={value}"
     try:
         pg.pg_ctl(
             ["-w", "-o", options, "-l", str(server.log_path), "start"],

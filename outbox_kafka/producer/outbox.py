@@ -31,6 +31,7 @@ from outbox_kafka.producer.instruments import (
     counts_enqueue_failures,
     producer_metrics,
 )
+from outbox_kafka.producer.log_writing import WRITE_TO, LogWriter
 from outbox_kafka.producer.writing import Connectable, OutboxWriter
 from outbox_kafka.validation import EventSchemas, load_event_schemas
 
@@ -65,7 +66,12 @@ class Outbox:
         content_mode: ContentMode = "structured",
         id_header: str | None = None,
         writer: OutboxWriter | None = None,
+        write_to: str = "table",
     ) -> None:
+        if write_to not in WRITE_TO:
+            raise ConfigurationError(
+                f"write_to must be one of {', '.join(map(repr, WRITE_TO))}, got {write_to!r}"
+            )
         if max_key_bytes < 1:
             raise ConfigurationError(f"max_key_bytes must be at least 1, got {max_key_bytes}")
         if max_message_bytes < 1024:
@@ -95,7 +101,14 @@ class Outbox:
                 f"writer writes to {writer.names.qualified_events}, "
                 f"not to this outbox's {self._names.qualified_events}"
             )
-        self._writer = writer or OutboxWriter(self._names, notify=notify)
+        if writer is not None and isinstance(writer, LogWriter) != (write_to == "log"):
+            raise ConfigurationError(
+                f"writer is a {type(writer).__name__}, which does not write to the "
+                f"{write_to} (write_to={write_to!r})"
+            )
+        if writer is None:
+            writer = (LogWriter if write_to == "log" else OutboxWriter)(self._names, notify=notify)
+        self._writer = writer
         #: ``outbox_enqueue_failures_total`` lives here; ``registry`` defaults to the global one.
         self.producer_metrics = producer_metrics(registry)
 

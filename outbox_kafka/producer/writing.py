@@ -84,7 +84,7 @@ class OutboxWriter:
         The first write on a connection may cost one more round trip: the
         question :meth:`functions` asks.
         """
-        connection = _connection_of(conn)
+        connection = connection_of(conn)
         psycopg2 = connection.dialect.driver == "psycopg2"
         name, params = self.statement(encoded, self.functions(connection), literals=psycopg2)
 
@@ -246,7 +246,7 @@ def _not_sqlalchemy(conn: object, expected: str) -> UnsafeConnection:
     return UnsafeConnection(f"{expected}, got {kind.__name__}")
 
 
-def _connection_of(conn: Connectable) -> Connection:
+def connection_of(conn: Connectable) -> Connection:
     if isinstance(conn, scoped_session):
         conn = conn()
     if isinstance(conn, Session):

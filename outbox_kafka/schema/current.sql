@@ -216,10 +216,45 @@ $function$;
 
 REVOKE ALL ON FUNCTION public.outbox_enqueue_many(p_event_ids uuid[], p_ordering_keys text[], p_topics text[], p_types text[], p_value_starts integer[], p_value_lengths integer[], p_values bytea, p_headers jsonb, p_available_ats timestamp with time zone[], p_delays double precision[], p_notify boolean) FROM PUBLIC;
 
+CREATE OR REPLACE FUNCTION public.outbox_emit(p_frame bytea)
+ RETURNS void
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF p_frame IS NULL OR length(p_frame) = 0 OR get_byte(p_frame, 0) <> 1 THEN
+        RAISE EXCEPTION 'outbox log mode: not an event frame of version 1'
+              USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF current_setting('wal_level') <> 'logical' THEN
+        RAISE EXCEPTION 'outbox log mode: wal_level is %, not logical',
+                        current_setting('wal_level')
+              USING ERRCODE = 'object_not_in_prerequisite_state',
+                    HINT = 'Set wal_level = logical and restart the server.';
+    END IF;
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_replication_slots
+        WHERE slot_name = 'outbox_kafka_public_outbox'
+          AND database = current_database()
+          AND wal_status IS DISTINCT FROM 'lost'
+    ) THEN
+        RAISE EXCEPTION 'outbox log mode: no usable replication slot %', 'outbox_kafka_public_outbox'
+              USING ERRCODE = 'object_not_in_prerequisite_state',
+                    HINT = 'Make it with outbox-kafka log-setup. A lost slot must be dropped '
+                           'first, and the events it held are gone.';
+    END IF;
+    PERFORM pg_logical_emit_message(true, 'outbox-kafka:public.outbox', p_frame);
+END
+$function$;
+
+REVOKE ALL ON FUNCTION public.outbox_emit(p_frame bytea) FROM PUBLIC;
+
 INSERT INTO "public"."outbox_migrations" (version, name) VALUES
     (1, 'initial'),
     (2, 'arrivals'),
     (3, 'enqueue_function'),
     (4, 'drop_pending_index'),
     (5, 'producer_functions'),
-    (6, 'exactly_once');
+    (6, 'exactly_once'),
+    (7, 'log_messages');

@@ -52,11 +52,15 @@ def test_migrating_an_empty_database_ends_equal_to_current_sql(
         found = catalog(conn)
     drift = "\n".join(differences(migrated_catalog, found))
     assert not drift, f"current.sql is not what the migrations make (make schema):\n{drift}"
-    # Not vacuous: the five tables, the migrations' own, their indexes and both functions.
+    # Not vacuous: the five tables, the migrations' own, their indexes and the three functions.
     assert len(found["relation"]) == 6
     assert len(found["index"]) == 10
-    assert [row[0] for row in found["function"]] == ["outbox_enqueue_many", "outbox_enqueue_one"]
-    assert [row[0] for row in found["migration"]] == [1, 2, 3, 4, 5, 6]
+    assert [row[0] for row in found["function"]] == [
+        "outbox_emit",
+        "outbox_enqueue_many",
+        "outbox_enqueue_one",
+    ]
+    assert [row[0] for row in found["migration"]] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_a_database_made_from_current_sql_is_up_to_date(from_current: sa.Engine) -> None:

@@ -1151,3 +1151,9 @@ LIMIT :topic_limit;
 -- The server's version, and the role this session is (a URL's ?user= names
 -- another role than its user part).
 SELECT current_setting('server_version') AS version, CAST(current_user AS text) AS role_name;
+
+-- name: emit_frame
+-- The log mode's write: one frame of events (outbox_kafka/log_frames.py) into
+-- the write-ahead log through the outbox's emit function (migration 0007), in
+-- the caller's transaction.
+SELECT {emit}(CAST(:frame AS bytea));

@@ -1,0 +1,262 @@
+"""The log mode's producer (``Outbox(write_to="log")``): each write is one frame in one
+transactional logical decoding message, read back here from the outbox's slot the way
+a relay reads it (pgoutput, protocol 1): in commit order, and nothing of a transaction
+or a savepoint that rolled back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg2
+import psycopg2.extras
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from outbox_kafka import Event, Outbox, migrate
+from outbox_kafka.database import make_engine
+from outbox_kafka.errors import ConfigurationError, EventError
+from outbox_kafka.log_frames import FramedEvent, decode_frame
+from outbox_kafka.naming import TableNames
+from outbox_kafka.producer.writing import OutboxWriter
+from outbox_kafka.relay.pgoutput import Begin, Commit, Message, decode
+
+NAMES = TableNames()
+
+
+def _admin(url: str) -> sa.Engine:
+    return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+
+
+@pytest.fixture
+def log_url(logical_server_url: str) -> Iterator[str]:
+    """A migrated database on the logical server, with the outbox's publication and slot."""
+    name = f"outbox_log_{uuid.uuid4().hex[:12]}"
+    admin = _admin(logical_server_url)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = make_url(logical_server_url).set(database=name).render_as_string(False)
+    engine = make_engine(url)
+    migrate(engine)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE PUBLICATION "{NAMES.log_publication}"')
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "SELECT pg_create_logical_replication_slot(%(slot)s, 'pgoutput')",
+            {"slot": NAMES.log_slot},
+        )
+    engine.dispose()
+    yield url
+    with admin.connect() as conn:
+        conn.exec_driver_sql(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE database = %(db)s",
+            {"db": name},
+        )
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture
+def log_engine(log_url: str) -> Iterator[sa.Engine]:
+    engine = make_engine(log_url)
+    yield engine
+    engine.dispose()
+
+
+def log_outbox() -> Outbox:
+    return Outbox(allow_unknown_types=True, write_to="log")
+
+
+def read_log(url: str, idle: float = 1.0) -> tuple[list[list[FramedEvent]], list[Message]]:
+    """Every transaction the slot holds, in stream order, as the events of its frames;
+    and every message that came outside a transaction or with another prefix."""
+    conn = psycopg2.connect(
+        make_url(url).set(drivername="postgresql").render_as_string(False),
+        connection_factory=psycopg2.extras.LogicalReplicationConnection,
+    )
+    transactions: list[list[FramedEvent]] = []
+    strays: list[Message] = []
+    try:
+        cur = conn.cursor()
+        cur.start_replication(
+            slot_name=NAMES.log_slot,
+            decode=False,
+            options={
+                "proto_version": "1",
+                "publication_names": NAMES.log_publication,
+                "messages": "true",
+            },
+        )
+        current: list[FramedEvent] | None = None
+        last = time.monotonic()
+        while time.monotonic() - last < idle:
+            message = cur.read_message()
+            if message is None:
+                time.sleep(0.02)
+                continue
+            last = time.monotonic()
+            decoded = decode(message.payload)
+            if isinstance(decoded, Begin):
+                current = []
+            elif isinstance(decoded, Commit):
+                assert current is not None
+                if current:
+                    transactions.append(current)
+                current = None
+            elif isinstance(decoded, Message):
+                if current is None or decoded.prefix != NAMES.log_prefix:
+                    strays.append(decoded)
+                else:
+                    current.extend(decode_frame(decoded.content))
+    finally:
+        conn.close()
+    return transactions, strays
+
+
+def event(key: str, n: int) -> Event:
+    return Event(type="log.test", key=key, data={"n": n}, topic="log-topic")
+
+
+def emit(outbox: Outbox, conn: sa.Connection, key: str, n: int, **kwargs: Any) -> uuid.UUID:
+    return outbox.enqueue(
+        conn, type="log.test", key=key, data={"n": n}, topic="log-topic", **kwargs
+    )
+
+
+def keys_and_ns(transactions: list[list[FramedEvent]]) -> list[list[tuple[str, str]]]:
+    import json
+
+    return [
+        [(e.key, str(json.loads(e.value)["data"]["n"])) for e in events] for events in transactions
+    ]
+
+
+def test_commits_arrive_in_commit_order_and_rollbacks_never(
+    log_engine: sa.Engine, log_url: str
+) -> None:
+    outbox = log_outbox()
+    with log_engine.begin() as conn:
+        emit(outbox, conn, "a", 1)
+    with log_engine.connect() as conn:
+        outbox.enqueue_many(conn, [event("a", 2), event("b", 2)])
+        conn.rollback()
+    with log_engine.begin() as conn:
+        emit(outbox, conn, "a", 3)
+        savepoint = conn.begin_nested()
+        emit(outbox, conn, "a", 4)
+        savepoint.rollback()
+        outbox.enqueue_many(conn, [event("b", 5), event("a", 5)])
+    # Two transactions interleaved: the one that began first commits last.
+    first, second = log_engine.connect(), log_engine.connect()
+    try:
+        first.begin()
+        emit(outbox, first, "c", 6)
+        second.begin()
+        emit(outbox, second, "c", 7)
+        second.commit()
+        first.commit()
+    finally:
+        first.close()
+        second.close()
+
+    transactions, strays = read_log(log_url)
+    assert strays == []
+    assert keys_and_ns(transactions) == [
+        [("a", "1")],
+        [("a", "3"), ("b", "5"), ("a", "5")],
+        [("c", "7")],
+        [("c", "6")],
+    ]
+
+
+def test_a_frame_carries_the_message_as_encoded(log_engine: sa.Engine, log_url: str) -> None:
+    outbox = log_outbox()
+    given = Event(
+        type="log.test", key="k", data={"x": "é"}, topic="log-topic", headers={"trace": b"\x00\xff"}
+    )
+    with log_engine.begin() as conn:
+        (event_id,) = outbox.enqueue_many(conn, [given])
+    encoded = outbox.encode(given)
+    (transaction,), _ = read_log(log_url)
+    (framed,) = transaction
+    assert framed.event_id == event_id
+    assert (framed.key, framed.topic, framed.type) == ("k", "log-topic", "log.test")
+    assert dict(framed.headers)["trace"] == b"\x00\xff"
+    assert [name for name, _ in framed.headers] == [name for name, _ in encoded.headers]
+    # The envelope is the table mode's, but for its id and time, which each encoding makes.
+    assert (
+        framed.value.replace(str(event_id).encode(), b"ID")[:40]
+        == encoded.value.replace(str(encoded.event_id).encode(), b"ID")[:40]
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"delay": timedelta(seconds=5)}, "delay"),
+        ({"available_at": datetime.now(UTC) + timedelta(minutes=1)}, "available_at"),
+    ],
+)
+def test_a_delay_is_refused_and_nothing_is_emitted(
+    log_engine: sa.Engine, log_url: str, kwargs: dict[str, object], field: str
+) -> None:
+    outbox = log_outbox()
+    with log_engine.begin() as conn:
+        with pytest.raises(EventError, match=f"{field}: an outbox that writes to the log"):
+            emit(outbox, conn, "a", 1, **kwargs)
+        emit(outbox, conn, "a", 2)
+    transactions, _ = read_log(log_url)
+    assert keys_and_ns(transactions) == [[("a", "2")]]
+
+
+def test_without_the_slot_the_write_fails(log_engine: sa.Engine) -> None:
+    with log_engine.begin() as conn:
+        conn.exec_driver_sql("SELECT pg_drop_replication_slot(%(slot)s)", {"slot": NAMES.log_slot})
+    with (
+        log_engine.begin() as conn,
+        pytest.raises(sa.exc.DBAPIError, match=f"no usable replication slot {NAMES.log_slot}"),
+    ):
+        emit(log_outbox(), conn, "a", 1)
+
+
+def test_below_wal_level_logical_the_write_fails(engine: sa.Engine) -> None:
+    with engine.connect() as conn:
+        level = conn.exec_driver_sql("SHOW wal_level").scalar_one()
+    if level == "logical":
+        pytest.skip("the server under test runs with wal_level = logical")
+    with (
+        engine.begin() as conn,
+        pytest.raises(sa.exc.DBAPIError, match=f"wal_level is {level}, not logical"),
+    ):
+        emit(log_outbox(), conn, "a", 1)
+
+
+def test_a_role_without_execute_cannot_emit(log_engine: sa.Engine) -> None:
+    role = f"bare_{uuid.uuid4().hex[:8]}"
+    with log_engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE ROLE "{role}"')
+        conn.exec_driver_sql(f'GRANT USAGE ON SCHEMA public TO "{role}"')
+    try:
+        with log_engine.begin() as conn:
+            conn.exec_driver_sql(f'SET LOCAL ROLE "{role}"')
+            with pytest.raises(sa.exc.DBAPIError, match="permission denied for function"):
+                emit(log_outbox(), conn, "a", 1)
+    finally:
+        with log_engine.begin() as conn:
+            conn.exec_driver_sql(f'REVOKE USAGE ON SCHEMA public FROM "{role}"')
+            conn.exec_driver_sql(f'DROP ROLE "{role}"')
+
+
+def test_write_to_must_be_table_or_log() -> None:
+    with pytest.raises(ConfigurationError, match="write_to must be one of 'table', 'log'"):
+        Outbox(write_to="wal")
+
+
+def test_a_writer_given_must_write_where_write_to_says() -> None:
+    with pytest.raises(ConfigurationError, match="writer is a OutboxWriter, which does not"):
+        Outbox(write_to="log", writer=OutboxWriter(NAMES, notify=False))
