@@ -30,6 +30,7 @@ from outbox_kafka.demo.embedded import (
     start_postgres_on_port,
 )
 
+from .log_support import log_database
 from .relay_support import TcpProxy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +74,20 @@ def logical_server_url(work_dir: Path) -> Iterator[str]:
         yield normalise_url(pg.url)
     finally:
         pg.stop()
+
+
+@pytest.fixture
+def log_url(logical_server_url: str) -> Iterator[str]:
+    """A migrated database on the logical server, with the outbox's publication and slot."""
+    with log_database(logical_server_url) as url:
+        yield url
+
+
+@pytest.fixture
+def log_engine(log_url: str) -> Iterator[sa.Engine]:
+    eng = make_engine(log_url)
+    yield eng
+    eng.dispose()
 
 
 def _admin(server_url: str) -> sa.Engine:

@@ -1,0 +1,175 @@
+"""The log mode's source: one outbox's committed frames, read from its replication
+slot in commit order, and the acknowledgement that lets the server discard them.
+
+A slot has one reader at a time: while another session streams from it,
+:meth:`LogReader.open` raises :class:`SlotBusy` (SQLSTATE 55006), and a relay
+waits and tries again, taking over once that session has ended.
+
+The stream is read with pgoutput, protocol 1 (never 2 with streaming, which
+sends a large transaction's messages before it commits, aborted or not), from a
+publication that names no table, with messages on. Per committed transaction
+the reader returns the events of the frames that carry this outbox's prefix,
+with the transaction's end LSN. Anything else is counted, never returned: a
+message sent outside any transaction (``pg_logical_emit_message(false, ...)``,
+which arrives whether or not its transaction commits), a message of another
+prefix, a frame that cannot be read.
+
+Acknowledging an end LSN tells the server that every transaction ending at or
+before it is done: they are not sent again, even to a new session, and their
+WAL may go. A session that ends without acknowledging is sent again, from the
+first transaction after the last acknowledgement.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import psycopg2
+import psycopg2.errors
+import psycopg2.extras
+from sqlalchemy.engine import make_url
+
+from outbox_kafka.database import normalise_url
+from outbox_kafka.log_frames import FramedEvent, FrameError, decode_frame
+from outbox_kafka.naming import TableNames
+from outbox_kafka.relay.pgoutput import Begin, Commit, Message, ProtocolError, decode
+
+
+class LogTransaction(NamedTuple):
+    """One committed transaction's events, in the order they were written."""
+
+    #: The LSN just past its commit: acknowledge it once it and all before it are sent.
+    end_lsn: int
+    #: Commit time, seconds since the Unix epoch.
+    committed_at: float
+    events: list[FramedEvent]
+
+
+class SlotBusy(RuntimeError):
+    """Another session reads the slot now."""
+
+
+@dataclass
+class Strays:
+    """What the stream held that is not this outbox's committed events."""
+
+    #: Messages emitted outside a transaction: sent whether or not it committed.
+    non_transactional: int = 0
+    #: Messages of another prefix (another outbox, another tool).
+    foreign: int = 0
+    #: Frames of this outbox that could not be read, with why (the latest few).
+    malformed: int = 0
+    malformed_reasons: list[str] = field(default_factory=list)
+
+
+class LogReader:
+    """Reads one outbox's slot; not thread-safe (one relay loop owns it)."""
+
+    def __init__(self, database_url: str, names: TableNames) -> None:
+        #: Any URL the relay takes; its driver part does not matter here.
+        self._url = normalise_url(database_url)
+        self._names = names
+        self._conn: Any = None
+        self._cursor: Any = None
+        self._current: list[FramedEvent] | None = None
+        self._begin: Begin | None = None
+        self.strays = Strays()
+        #: The highest end LSN acknowledged by this reader.
+        self.acknowledged = 0
+
+    def open(self) -> None:
+        """Connect and start streaming from the slot's last acknowledgement."""
+        url = make_url(self._url)
+        # As SQLAlchemy's psycopg2 dialect connects: the URL's parts, then its query
+        # (sslmode, a ?user= that wins over the user part, ...).
+        params: dict[str, Any] = url.translate_connect_args(username="user", database="dbname")
+        params.update(url.query)
+        conn = psycopg2.connect(
+            connection_factory=psycopg2.extras.LogicalReplicationConnection, **params
+        )
+        try:
+            cursor = conn.cursor()
+            cursor.start_replication(
+                slot_name=self._names.log_slot,
+                decode=False,
+                options={
+                    "proto_version": "1",
+                    "publication_names": self._names.log_publication,
+                    "messages": "true",
+                },
+            )
+        except psycopg2.errors.ObjectInUse as exc:
+            conn.close()
+            raise SlotBusy(
+                f"replication slot {self._names.log_slot} is read by another session: "
+                f"{str(exc).strip()}"
+            ) from None
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._cursor = conn, cursor
+        self._current, self._begin = None, None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = self._cursor = None
+
+    def read(self, timeout: float, max_events: int = 10_000) -> list[LogTransaction]:
+        """The transactions that commit within ``timeout`` seconds, as soon as one has,
+        or as many as have arrived once ``max_events`` events are in."""
+        cursor = self._cursor
+        if cursor is None:
+            raise RuntimeError("LogReader.read before open")
+        done: list[LogTransaction] = []
+        count = 0
+        deadline = time.monotonic() + timeout
+        while count < max_events:
+            message = cursor.read_message()
+            if message is None:
+                left = deadline - time.monotonic()
+                if done or left <= 0:
+                    break
+                select.select([cursor], [], [], left)
+                continue
+            finished = self._take(message.payload)
+            if finished is not None:
+                done.append(finished)
+                count += len(finished.events)
+        return done
+
+    def _take(self, payload: bytes) -> LogTransaction | None:
+        decoded = decode(payload)
+        if isinstance(decoded, Begin):
+            self._begin, self._current = decoded, []
+        elif isinstance(decoded, Commit):
+            events, self._current, self._begin = self._current, None, None
+            if events is None:
+                raise ProtocolError("a Commit without its Begin")
+            return LogTransaction(decoded.end_lsn, decoded.committed_at, events)
+        elif isinstance(decoded, Message):
+            if not decoded.transactional or self._current is None:
+                self.strays.non_transactional += 1
+            elif decoded.prefix != self._names.log_prefix:
+                self.strays.foreign += 1
+            else:
+                try:
+                    self._current.extend(decode_frame(decoded.content))
+                except FrameError as exc:
+                    self.strays.malformed += 1
+                    self.strays.malformed_reasons = [
+                        *self.strays.malformed_reasons[-9:],
+                        f"at LSN {decoded.lsn:X}: {exc}",
+                    ]
+        return None
+
+    def acknowledge(self, end_lsn: int) -> None:
+        """Everything up to ``end_lsn`` is done: the server may forget it."""
+        if self._cursor is None:
+            raise RuntimeError("LogReader.acknowledge before open")
+        if end_lsn > self.acknowledged:
+            self.acknowledged = end_lsn
+        self._cursor.send_feedback(flush_lsn=self.acknowledged, reply=True)
