@@ -9,29 +9,38 @@ reach Kafka in the order their transactions committed. Nothing waits on a claim,
 a lease or a record: the only state is the slot's acknowledged position, kept by
 the server.
 
-An event that Kafka does not take (its delivery failed for good, or the producer
-refused it) stops the stream before it: :class:`LogStalled` is raised once every
-transaction before it is acknowledged, and nothing after it is. A relay started
-again reads on from there; events after the last acknowledgement that had reached
-Kafka are sent again (at least once). The polling relay's retries, parking and
-dead-letter topic are not part of this mode yet.
+An event that Kafka does not take (its delivery failed, or the producer refused
+it) stalls the stream at its transaction: nothing is read past what is in flight,
+nothing is acknowledged past the transaction before it, and its undelivered events
+are produced again, after a backoff, until Kafka takes them; the relay says so in
+its log, its metrics and its readiness. ``drain`` (``relay --drain``) stops at a
+stall instead (:class:`LogStalled`). A relay that stops or dies reads on, when
+started again, from the last acknowledgement: events after it that had reached
+Kafka are sent again (at least once). The polling relay's parking and dead-letter
+topic are not part of this mode yet.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg2
 from confluent_kafka import KafkaException, Producer
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from outbox_kafka.errors import EventError
 from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.log_reader import LogReader, LogTransaction
+from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy
 from outbox_kafka.topic_names import check_topic
+
+log = logging.getLogger("outbox_kafka.relay.log")
 
 
 class LogStalled(RuntimeError):
@@ -40,26 +49,66 @@ class LogStalled(RuntimeError):
 
 @dataclass
 class _InFlight:
-    """A transaction whose events are produced and not all reported yet."""
+    """A transaction whose events are produced and not all delivered yet."""
 
     end_lsn: int
-    #: Its events, and those of them not reported yet.
     size: int
-    remaining: int
-    #: Why an event of it was not delivered (the first such), if one was not.
+    #: Its events that are produced and not reported yet.
+    remaining: int = 0
+    #: Its events whose delivery failed, to produce again; and why the first failed.
+    failed: list[FramedEvent] = field(default_factory=list)
     failure: str | None = None
 
 
+class LogRelayMetrics:
+    """The log mode's metrics, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.published = Counter(
+            "outbox_log_published",
+            "Events delivered to Kafka and acknowledged to the slot",
+            registry=self.registry,
+        )
+        self.strays = Counter(
+            "outbox_log_strays",
+            "Messages of the slot's stream that were not published, by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.stalls = Counter(
+            "outbox_log_stalls",
+            "Times the stream stalled at an event Kafka did not take",
+            registry=self.registry,
+        )
+        self.stalled = Gauge(
+            "outbox_log_stalled", "1 while the stream is stalled", registry=self.registry
+        )
+        self.waiting = Gauge(
+            "outbox_log_waiting_for_slot",
+            "1 while another session reads the slot",
+            registry=self.registry,
+        )
+        self.acknowledged = Gauge(
+            "outbox_log_acknowledged_lsn",
+            "The end LSN the slot was last acknowledged up to",
+            registry=self.registry,
+        )
+
+
 class LogRelay:
-    """One outbox's log-mode relay loop; not thread-safe, not public API."""
+    """One outbox's log-mode relay loop; ``stop`` may be called from any thread, the
+    rest from the loop's own. Not public API."""
 
     def __init__(
         self,
         settings: RelaySettings,
         *,
         producer_factory: Callable[[dict[str, str]], Any] = Producer,
+        metrics: LogRelayMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics or LogRelayMetrics()
         self.reader = LogReader(settings.database_url, settings.names)
         self._producer = producer_factory(settings.producer_config())
         self._in_flight: deque[_InFlight] = deque()
@@ -68,32 +117,88 @@ class LogRelay:
         self._events_in_flight = 0
         #: Events delivered and acknowledged since the relay started.
         self.published = 0
+        #: Why the stream is stalled (an event Kafka did not take), or None.
+        self.stalled: str | None = None
+        self._retry_at = 0.0
+        self._backoff = settings.backoff_base
+        self._stop = threading.Event()
+        #: ``time.monotonic()`` of the loop's last completed step (liveness).
+        self.last_cycle_at: float | None = None
+        #: What keeps the relay from publishing now (readiness), or None.
+        self.problem: str | None = None
+        self._strays_counted = (0, 0, 0)
+
+    # The loop ------------------------------------------------------------------
 
     def open(self) -> None:
         """Start reading the slot (:class:`~outbox_kafka.relay.log_reader.SlotBusy` while
         another session reads it)."""
         self.reader.open()
 
+    def run(self) -> None:
+        """Publish until :meth:`stop`: waits while another session reads the slot, and
+        reconnects after a database failure, backing off."""
+        backoff = self.settings.backoff_base
+        reading = False
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not reading:
+                        self.reader.open()
+                        reading = True
+                        self.metrics.waiting.set(0)
+                        log.info("reading the slot", extra={"slot": self.settings.names.log_slot})
+                    self.step(self.settings.poll_interval)
+                    backoff = self.settings.backoff_base
+                    if self.stalled is None:
+                        self.problem = None
+                except SlotBusy as exc:
+                    self.metrics.waiting.set(1)
+                    self.problem = str(exc)
+                    self.last_cycle_at = time.monotonic()
+                    self._stop.wait(self.settings.poll_interval)
+                except psycopg2.Error as exc:
+                    self.problem = f"the database failed: {exc}".strip()
+                    log.error(
+                        "log relay: the database failed; reading again from the last "
+                        "acknowledgement",
+                        extra={"action": "log_reconnect", "error": str(exc).strip()},
+                    )
+                    reading = False
+                    self._abandon()
+                    self._stop.wait(backoff)
+                    backoff = min(self.settings.backoff_cap, backoff * 2)
+        finally:
+            self.close(self.settings.shutdown_timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+
     def step(self, timeout: float) -> int:
         """Read what has committed (waiting up to ``timeout`` when nothing is in flight),
         send it, and acknowledge what is delivered; the events acknowledged."""
         room = self._max_in_flight - self._events_in_flight
-        if room > 0:
+        if room > 0 and self.stalled is None:
             wait = 0.0 if self._in_flight else timeout
             for transaction in self.reader.read(wait, max_events=room):
                 self._send(transaction)
+            self._count_strays()
         self._producer.poll(0.05 if self._in_flight else 0)
-        return self._acknowledge()
+        done = self._acknowledge()
+        self.last_cycle_at = time.monotonic()
+        return done
 
     def drain(self, idle: float = 1.0, deadline: float = 60.0) -> int:
         """Publish until nothing new has committed for ``idle`` seconds and everything read
-        is acknowledged; the events acknowledged."""
+        is acknowledged; the events acknowledged. Raises :class:`LogStalled` at a stall."""
         published = 0
         quiet_since = time.monotonic()
         give_up = time.monotonic() + deadline
         while time.monotonic() < give_up:
             before = self.reader.acknowledged
             got = self.step(min(idle, 0.2))
+            if self.stalled is not None:
+                raise LogStalled(self.stalled)
             published += got
             if got or self._in_flight or self.reader.acknowledged != before:
                 quiet_since = time.monotonic()
@@ -106,29 +211,47 @@ class LogRelay:
         and stop reading."""
         try:
             deadline = time.monotonic() + timeout
-            while self._in_flight and time.monotonic() < deadline:
+            while self._in_flight and self.stalled is None and time.monotonic() < deadline:
                 self._producer.poll(0.05)
-                try:
-                    self._acknowledge()
-                except LogStalled:
-                    break
+                self._acknowledge()
         finally:
             self.reader.close()
             self._producer.flush(0)
 
+    # Health --------------------------------------------------------------------
+
+    def loop_problem(self, timeout: float) -> str | None:
+        """For readiness: why the relay does not publish now (a stall, a busy slot)."""
+        return self.problem
+
+    def kafka_problem(self, timeout: float) -> str | None:
+        """For readiness: whether the producer reaches a broker."""
+        try:
+            self._producer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            return f"no broker answers: {exc}"
+        return None
+
+    # Sending and acknowledging ---------------------------------------------------
+
     def _send(self, transaction: LogTransaction) -> None:
-        size = len(transaction.events)
-        entry = _InFlight(transaction.end_lsn, size, size)
+        entry = _InFlight(transaction.end_lsn, len(transaction.events))
         self._in_flight.append(entry)
-        self._events_in_flight += size
+        self._events_in_flight += entry.size
         for event in transaction.events:
             self._produce(event, entry)
 
     def _produce(self, event: FramedEvent, entry: _InFlight) -> None:
+        entry.remaining += 1
+
         def report(err: Any, _msg: Any) -> None:
-            if err is not None and entry.failure is None:
-                entry.failure = f"event {event.event_id} (key {event.key!r}): {err}"
             entry.remaining -= 1
+            if err is not None:
+                entry.failed.append(event)
+                if entry.failure is None:
+                    entry.failure = (
+                        f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {err}"
+                    )
 
         try:
             check_topic(event.topic)
@@ -152,20 +275,15 @@ class LogRelay:
                 return
 
     def _acknowledge(self) -> int:
-        """Acknowledge the transactions at the front that are wholly delivered; raise
-        :class:`LogStalled` at the first that is not."""
+        """Acknowledge the transactions at the front that are wholly delivered; stall at
+        the first that is not, and produce its failed events again once backed off."""
         done = 0
         last: int | None = None
         while self._in_flight and self._in_flight[0].remaining <= 0:
             head = self._in_flight[0]
-            if head.failure is not None:
-                if last is not None:
-                    self.reader.acknowledge(last)
-                    self.published += done
-                raise LogStalled(
-                    f"{head.failure}; the stream stops before it, acknowledged up to LSN "
-                    f"{self.reader.acknowledged:X}"
-                )
+            if head.failed:
+                self._stall(head)
+                break
             self._in_flight.popleft()
             self._events_in_flight -= head.size
             done += head.size
@@ -173,4 +291,67 @@ class LogRelay:
         if last is not None:
             self.reader.acknowledge(last)
             self.published += done
+            self.metrics.published.inc(done)
+            self.metrics.acknowledged.set(self.reader.acknowledged)
+        if (
+            done
+            and self.stalled is not None
+            and not (self._in_flight and self._in_flight[0].failed)
+        ):
+            self._unstall()
         return done
+
+    def _stall(self, head: _InFlight) -> None:
+        now = time.monotonic()
+        if self.stalled is None:
+            self.stalled = (
+                f"{head.failure}; the stream stops before it, acknowledged up to LSN "
+                f"{self.reader.acknowledged:X}"
+            )
+            self.problem = f"stalled: {self.stalled}"
+            self.metrics.stalls.inc()
+            self.metrics.stalled.set(1)
+            self._retry_at = now + self._backoff
+            log.error(
+                "log relay stalled: an event was not published; it is sent again until "
+                "Kafka takes it, and nothing after it is acknowledged",
+                extra={"action": "log_stalled", "error": head.failure},
+            )
+            return
+        if now < self._retry_at:
+            return
+        failed, head.failed, head.failure = head.failed, [], None
+        for event in failed:
+            self._produce(event, head)
+        self._backoff = min(self.settings.backoff_cap, self._backoff * 2)
+        self._retry_at = now + self._backoff
+
+    def _unstall(self) -> None:
+        log.warning("log relay: the stream goes on", extra={"action": "log_resumed"})
+        self.stalled = None
+        self.problem = None
+        self._backoff = self.settings.backoff_base
+        self.metrics.stalled.set(0)
+
+    def _abandon(self) -> None:
+        """Forget what is in flight (the reader reads it again from the acknowledgement)."""
+        self.reader.close()
+        self._in_flight.clear()
+        self._events_in_flight = 0
+        if self.stalled is not None:
+            self._unstall()
+
+    def _count_strays(self) -> None:
+        strays = self.reader.strays
+        now = (strays.non_transactional, strays.foreign, strays.malformed)
+        for kind, before, after in zip(
+            ("non_transactional", "foreign", "malformed"), self._strays_counted, now, strict=True
+        ):
+            if after > before:
+                self.metrics.strays.labels(kind).inc(after - before)
+                if kind == "malformed":
+                    log.error(
+                        "log relay: a frame of this outbox could not be read; it is skipped",
+                        extra={"action": "log_malformed", "error": strays.malformed_reasons[-1]},
+                    )
+        self._strays_counted = now

@@ -5,11 +5,14 @@ the acknowledgement, and a stream that stops before an event Kafka will not take
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox_kafka.relay.log_reader import LogReader
 from outbox_kafka.relay.log_relay import LogRelay, LogStalled
@@ -135,7 +138,9 @@ def test_an_event_kafka_will_not_take_stops_the_stream_before_it(
         _emit(conn, topic, "k", 3)
     relay = _relay(log_url, kafka_bootstrap)
     try:
-        with pytest.raises(LogStalled, match=r"key 'k'.*stream stops before it"):
+        with pytest.raises(
+            LogStalled, match=r"key 'k', topic 'no-such-topic-.*stream stops before it"
+        ):
             relay.drain(idle=0.5, deadline=30.0)
         assert relay.published == 1
     finally:
@@ -147,3 +152,52 @@ def test_an_event_kafka_will_not_take_stops_the_stream_before_it(
         assert keys_and_ns(reader.read(2.0))[0] == [("k", 2)]
     finally:
         reader.close()
+
+
+def test_a_stall_holds_the_stream_until_kafka_takes_the_event_then_goes_on(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """In run mode a stall is retried in place: nothing after it is acknowledged or
+    read, readiness names it, and once the topic exists the stream goes on, each
+    event once and in order."""
+    topic = new_topic(1)
+    late = f"late-{topic}"
+    with log_engine.begin() as conn:
+        _emit(conn, topic, "k", 1)
+    with log_engine.begin() as conn:
+        _emit(conn, late, "k", 2)
+    with log_engine.begin() as conn:
+        _emit(conn, topic, "k", 3)
+    relay = LogRelay(make_settings(log_url, kafka_bootstrap))
+    worker = threading.Thread(target=relay.run, daemon=True)
+    worker.start()
+    try:
+        assert wait_for(lambda: relay.stalled is not None, 30.0), "no stall"
+        problem = relay.loop_problem(1.0)
+        assert problem is not None and problem.startswith("stalled: event ")
+        assert late in problem
+        assert relay.metrics.registry.get_sample_value("outbox_log_stalled") == 1
+        assert relay.published == 1
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        for future in admin.create_topics([NewTopic(late, 1, 1)]).values():
+            future.result(30)
+        assert wait_for(lambda: relay.published == 3, 30.0), relay.stalled
+        assert relay.loop_problem(1.0) is None
+        assert relay.metrics.registry.get_sample_value("outbox_log_stalled") == 0
+        assert relay.metrics.registry.get_sample_value("outbox_log_stalls_total") == 1
+    finally:
+        relay.stop()
+        worker.join(30)
+    assert not worker.is_alive()
+    on_topic = consume_all(kafka_bootstrap, topic, 2)
+    assert sorted(r.value["data"]["n"] for r in on_topic) == [1, 3]
+    assert [r.value["data"]["n"] for r in consume_all(kafka_bootstrap, late, 1)] == [2]
+
+
+def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
