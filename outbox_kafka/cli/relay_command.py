@@ -30,6 +30,7 @@ from .options import add_database_option, add_flag, add_option, add_table_option
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.group import OutboxTarget, RelayGroup
+    from outbox_kafka.relay.log_relay import LogRelay
     from outbox_kafka.relay.loop import Relay
     from outbox_kafka.relay.serve import ObservabilityServer
 
@@ -44,6 +45,8 @@ DEFAULT_METRICS_HOST = "0.0.0.0"
 #: without them: a database or broker that stops answering, without closing its
 #: connections, can hold a call for good.
 FORCED_EXIT_GRACE = 10.0
+#: Where ``--source`` may take events from.
+SOURCES = ("table", "log")
 
 log = logging.getLogger("outbox_kafka.cli")
 
@@ -163,6 +166,8 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     from outbox_kafka.relay.group import RelayGroup
     from outbox_kafka.relay.loop import Relay
 
+    if args.source == "log":
+        return _cmd_log_relay(args, stopping)
     targets = outbox_targets(args)
     settings = relay_settings(args, targets)
     secrets = list(settings.secret_values())
@@ -192,6 +197,59 @@ def _cmd_relay(args: argparse.Namespace) -> int:
             server.close()
 
 
+def _cmd_log_relay(args: argparse.Namespace, stopping: _StopSignals) -> int:
+    """``relay --source log``: one outbox's events read from its replication slot."""
+    from outbox_kafka.relay.log_relay import LogRelay, LogStalled
+    from outbox_kafka.relay.serve import ObservabilityServer
+
+    if args.outboxes_file:
+        raise OutboxError(
+            "--source log serves one outbox; --outboxes-file is for the polling relay"
+        )
+    settings = relay_settings(args, None)
+    configure_logging(args.log_format, args.log_level, secrets=list(settings.secret_values()))
+    port = _metrics_port(args)
+    relay = LogRelay(settings)
+    server: ObservabilityServer | None = None
+    if port is not None:
+        try:
+            server = ObservabilityServer.for_log_relay(
+                relay, host=args.metrics_host, port=port
+            ).start()
+        except ConfigurationError as exc:
+            if args.metrics_port is not None:
+                relay.close(0)
+                raise
+            log.warning(
+                "metrics and health endpoints not served: the default port is taken",
+                extra={"action": "http_unavailable", "error": str(exc)},
+            )
+
+    def body() -> int:
+        if not args.drain:
+            relay.run()
+            return 0
+        try:
+            relay.open()
+            published = relay.drain(idle=1.0, deadline=args.drain_timeout)
+        except LogStalled as exc:
+            print(f"stalled after {relay.published} events: {exc}")
+            return EXIT_WORK_LEFT
+        finally:
+            relay.close(settings.shutdown_timeout)
+        print(f"published {published} events from the log")
+        return 0
+
+    try:
+        stopping.attach(relay)
+        gc.collect()
+        gc.freeze()
+        return stopping.run_until_stopped(body, EXIT_WORK_LEFT if args.drain else 0)
+    finally:
+        if server is not None:
+            server.close()
+
+
 class _StopSignals:
     """SIGTERM and SIGINT for ``relay``: the first stops the relay, a second exits at once.
 
@@ -207,7 +265,7 @@ class _StopSignals:
         self.signals = 0
         #: ``time.monotonic()`` past which the process exits without its relay.
         self.deadline: float | None = None
-        self._relay: Relay | RelayGroup | None = None
+        self._relay: Relay | RelayGroup | LogRelay | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
@@ -218,7 +276,7 @@ class _StopSignals:
             os._exit(128 + signum)
         self._stop_relay()
 
-    def attach(self, relay: Relay | RelayGroup) -> None:
+    def attach(self, relay: Relay | RelayGroup | LogRelay) -> None:
         """The relay to stop; stopped at once if a signal came while it was made."""
         self._relay = relay
         if self.signals:
@@ -456,6 +514,15 @@ def add_relay_parser(
         type=float,
         default=120.0,
         help="with --drain: the longest wait for work to come due, seconds",
+    )
+    add_option(
+        p,
+        "--source",
+        choices=SOURCES,
+        default="table",
+        help="where the events come from: 'table', the outbox's tables (polled); 'log', "
+        "the write-ahead log, read from the outbox's replication slot, for producers "
+        "with Outbox(write_to='log') (see docs/reference/api.md)",
     )
     add_option(
         p,

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
     from outbox_kafka.relay.config import RelaySettings
     from outbox_kafka.relay.group import RelayGroup
+    from outbox_kafka.relay.log_relay import LogRelay
     from outbox_kafka.relay.loop import Relay
 
 
@@ -325,6 +326,23 @@ class ObservabilityServer:
             raise
 
     @classmethod
+    def for_log_relay(
+        cls,
+        relay: LogRelay,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        limits: HttpLimits | None = None,
+    ) -> ObservabilityServer:
+        """A server for a log-mode relay's registry and health checks (not started yet)."""
+        checks = HealthChecks.for_log_relay(relay)
+        try:
+            return cls(relay.metrics.registry, checks, host=host, port=port, limits=limits)
+        except BaseException:
+            checks.close()
+            raise
+
+    @classmethod
     def for_group(
         cls,
         group: RelayGroup,
@@ -495,6 +513,8 @@ DATABASE_FAILURE = "unreachable"
 KAFKA_FAILURE = "no broker reachable"
 #: What ``/readyz`` says about an outbox whose loop failed and waits for its restart.
 LOOP_FAILURE = "failed, restarting"
+#: A log-mode relay that does not publish now; its log says why.
+LOG_FAILURE = "not publishing: stalled, or the slot is read by another relay"
 
 
 @dataclass(frozen=True)
@@ -630,6 +650,7 @@ class HealthChecks:
         | Mapping[str, Callable[[float], str | None]],
         kafka_problem: Callable[[float], str | None],
         loop_problem: Mapping[str, Callable[[float], str | None]] | None = None,
+        loop_failure: str = LOOP_FAILURE,
         timeout: float = 2.0,
         cache_seconds: float = 1.5,
         log_interval: float = 60.0,
@@ -649,7 +670,7 @@ class HealthChecks:
         self._checks = [
             *((name, check, DATABASE_FAILURE) for name, check in databases),
             *(
-                (f"loop:{name}", check, LOOP_FAILURE)
+                (f"loop:{name}", check, loop_failure)
                 for name, check in (loop_problem or {}).items()
             ),
             ("kafka", kafka_problem, KAFKA_FAILURE),
@@ -674,6 +695,22 @@ class HealthChecks:
             else max_cycle_age,
             database_problem=_pinging(monitor),
             kafka_problem=relay.publisher.broker_problem,
+            on_close=monitor.close,
+        )
+
+    @classmethod
+    def for_log_relay(cls, relay: LogRelay) -> HealthChecks:
+        """Checks for a log-mode relay: its loop (a stall or a busy slot is not ready), a
+        database connection of their own, its producer."""
+        settings = relay.settings
+        monitor = Monitor.connect(settings.database_url, settings.names)
+        return cls(
+            last_cycle_at=lambda: relay.last_cycle_at,
+            max_cycle_age=default_max_cycle_age(settings),
+            database_problem=_pinging(monitor),
+            kafka_problem=relay.kafka_problem,
+            loop_problem={"log": relay.loop_problem},
+            loop_failure=LOG_FAILURE,
             on_close=monitor.close,
         )
 
