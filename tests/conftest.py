@@ -68,7 +68,13 @@ def logical_server_url(work_dir: Path) -> Iterator[str]:
     pg = start_postgres_on_port(
         work_dir / "logical-pgdata",
         port,
-        {"wal_level": "logical", "max_replication_slots": "20", "max_wal_senders": "20"},
+        {
+            "wal_level": "logical",
+            "max_replication_slots": "20",
+            "max_wal_senders": "20",
+            # Small, so that a test transaction of a few hundred kB spills to disk.
+            "logical_decoding_work_mem": "64kB",
+        },
     )
     try:
         yield normalise_url(pg.url)

@@ -70,3 +70,31 @@ def test_a_second_reader_is_told_the_slot_is_busy_until_the_first_ends(log_url: 
     else:
         pytest.fail("the slot stayed busy 5 s after its reader closed")
     second.close()
+
+
+def test_a_large_transaction_arrives_whole_after_commit_and_an_aborted_one_never(
+    log_engine: sa.Engine, log_url: str
+) -> None:
+    """Larger than logical_decoding_work_mem (64 kB on the test server): protocol 1
+    spills it to disk and sends it at commit, never before; an aborted one never."""
+    outbox = log_outbox()
+    with log_engine.connect() as conn:
+        size = conn.exec_driver_sql("SHOW logical_decoding_work_mem").scalar_one()
+        assert size == "64kB"
+    with log_engine.connect() as aborted:
+        aborted.begin()
+        for n in range(1, 401):
+            emit(outbox, aborted, "big", -n)
+        big = log_engine.connect()
+        try:
+            with big.begin():
+                for n in range(1, 401):
+                    emit(outbox, big, "big", n)
+            # Read while the aborted one is still open: the committed one only.
+            transactions, _ = read_log(log_url)
+            assert keys_and_ns(transactions) == [[("big", n) for n in range(1, 401)]]
+        finally:
+            big.close()
+        aborted.rollback()
+    transactions, _ = read_log(log_url)
+    assert [len(t.events) for t in transactions] == [400]
