@@ -202,6 +202,8 @@ class TableNames:
             "emit": f"{s}.{_quote(self.emit)}",
             "log_prefix_literal": f"'{self.log_prefix}'",
             "log_slot_literal": f"'{self.log_slot}'",
+            "log_publication": _quote(self.log_publication),
+            "emit_signature_literal": "'" + self.emit_signature.replace("'", "''") + "'",
         }
         for suffix in _EVENT_SUFFIXES:
             values[f"events_{suffix}"] = _quote(f"{self.table}_{suffix}")

@@ -25,9 +25,9 @@ def _admin(url: str) -> sa.Engine:
 
 
 @contextlib.contextmanager
-def log_database(server_url: str) -> Iterator[str]:
-    """A migrated database on ``server_url`` with the outbox's publication and slot;
-    both dropped with it."""
+def log_database(server_url: str, *, set_up: bool = True) -> Iterator[str]:
+    """A migrated database on ``server_url`` with the outbox's publication and slot
+    (without, if not ``set_up``); both dropped with it."""
     name = f"outbox_log_{uuid.uuid4().hex[:12]}"
     admin = _admin(server_url)
     with admin.connect() as conn:
@@ -36,14 +36,8 @@ def log_database(server_url: str) -> Iterator[str]:
     engine = make_engine(url)
     try:
         migrate(engine)
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f'CREATE PUBLICATION "{NAMES.log_publication}"')
-        # Not in a transaction that has written anything.
-        with engine.begin() as conn:
-            conn.exec_driver_sql(
-                "SELECT pg_create_logical_replication_slot(%(slot)s, 'pgoutput')",
-                {"slot": NAMES.log_slot},
-            )
+        if set_up:
+            _publication_and_slot(engine)
     finally:
         engine.dispose()
     try:
@@ -57,6 +51,18 @@ def log_database(server_url: str) -> Iterator[str]:
             )
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+def _publication_and_slot(engine: sa.Engine) -> None:
+    """As ``log-setup`` makes them, without its revoke (which the tests of it check)."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE PUBLICATION "{NAMES.log_publication}"')
+    # Not in a transaction that has written anything.
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "SELECT pg_create_logical_replication_slot(%(slot)s, 'pgoutput')",
+            {"slot": NAMES.log_slot},
+        )
 
 
 def log_outbox() -> Outbox:

@@ -198,8 +198,50 @@ def cmd_check_consistency(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+_LOG_SETUP_HELP = (
+    "For the log mode (producers with Outbox(write_to='log'), relay --source log): make the "
+    "outbox's publication and replication slot where missing, and revoke "
+    "pg_logical_emit_message from PUBLIC so that no other role can put events into the log. "
+    "Needs wal_level = logical, a role with REPLICATION for the slot, and a superuser for "
+    "the revoke (else a warning). A lost slot is reported, never made again."
+)
+
+
+def _cmd_log_setup(args: argparse.Namespace) -> int:
+    from outbox_kafka.operations.log_setup import set_up_log
+
+    names = names_from(args)
+    engine = operator_engine(args)
+    try:
+        done = set_up_log(engine, names, failover=args.failover)
+    finally:
+        engine.dispose()
+    lines = [
+        f"publication {done.publication}: {'created' if done.created_publication else 'exists'}",
+        f"slot {done.slot}: {'created' if done.created_slot else 'exists'}",
+        "pg_logical_emit_message: "
+        + ("not executable by PUBLIC" if done.emit_revoked else "executable by PUBLIC"),
+        *(f"WARNING: {w}" for w in done.warnings),
+    ]
+    output.emit(args, done.as_dict(), "\n".join(lines))
+    return 0
+
+
 def add_operator_parsers(sub: Any) -> None:
     """The parsers of ``stats``, ``requeue``, ``unpark`` and ``purge``."""
+    p = sub.add_parser("log-setup", help="make what the log mode needs on the server")
+    p.description = _LOG_SETUP_HELP
+    add_database_option(p)
+    add_table_options(p)
+    add_flag(
+        p,
+        "--failover",
+        help="make the slot one that follows a failover to a standby that syncs slots "
+        "(PostgreSQL 17 and later; see docs/reference/cli.md)",
+    )
+    add_output_flags(p)
+    p.set_defaults(handler=_cmd_log_setup)
+
     p = sub.add_parser("stats", help="what the outbox holds (scans to count delivered events)")
     p.description = _STATS_HELP
     add_database_option(p)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from tests.log_support import log_outbox
+from tests.log_support import log_database, log_outbox
 from tests.relay_support import consume_all, per_key_order
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -148,3 +148,27 @@ def test_a_second_relay_waits_then_takes_over_when_the_first_is_killed(
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait(30)
+
+
+def test_log_setup_says_what_it_made(logical_server_url: str) -> None:
+    with log_database(logical_server_url, set_up=False) as url:
+        runs = [
+            subprocess.run(
+                [CLI, "log-setup", "--database-url", url],
+                capture_output=True,
+                text=True,
+                env=_env(),
+                timeout=60,
+                cwd=REPO,
+                check=False,
+            )
+            for _ in range(2)
+        ]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    assert runs[0].stdout.splitlines() == [
+        "publication outbox_kafka_public_outbox: created",
+        "slot outbox_kafka_public_outbox: created",
+        "pg_logical_emit_message: not executable by PUBLIC",
+    ]
+    assert "publication outbox_kafka_public_outbox: exists" in runs[1].stdout
+    assert "slot outbox_kafka_public_outbox: exists" in runs[1].stdout

@@ -1157,3 +1157,59 @@ SELECT current_setting('server_version') AS version, CAST(current_user AS text) 
 -- the write-ahead log through the outbox's emit function (migration 0007), in
 -- the caller's transaction.
 SELECT {emit}(CAST(:frame AS bytea));
+
+-- name: log_server_state
+-- What the log mode needs of the server and of the outbox's slot: wal_level, the
+-- server's major version (failover slots need 17), whether the session may create
+-- a slot (superuser or REPLICATION), whether the publication exists, and the slot's
+-- plugin and wal_status (NULL: no such slot in this database).
+SELECT current_setting('wal_level') AS wal_level,
+       current_setting('server_version_num')::int / 10000 AS major,
+       (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user)
+           AS may_replicate,
+       EXISTS (SELECT 1 FROM pg_publication WHERE pubname = :publication) AS has_publication,
+       (SELECT plugin FROM pg_replication_slots
+        WHERE slot_name = :slot AND database = current_database()) AS slot_plugin,
+       (SELECT wal_status FROM pg_replication_slots
+        WHERE slot_name = :slot AND database = current_database()) AS slot_wal_status,
+       EXISTS (SELECT 1 FROM pg_proc p
+               WHERE p.proname = 'pg_logical_emit_message'
+                 AND p.pronamespace = 'pg_catalog'::regnamespace
+                 AND has_function_privilege('public', p.oid, 'EXECUTE'))
+           AS public_may_emit;
+
+-- name: create_log_publication
+-- The publication the log mode streams with: it names no table, so the stream holds
+-- only the logical decoding messages (and transaction boundaries).
+CREATE PUBLICATION {log_publication};
+
+-- name: create_log_slot
+-- The outbox's slot, for the pgoutput plugin; not temporary, no two-phase decoding.
+SELECT pg_create_logical_replication_slot(:slot, 'pgoutput', false, false);
+
+-- name: create_log_slot_failover
+-- The same, kept on a standby that syncs slots (PostgreSQL 17 and later).
+SELECT pg_create_logical_replication_slot(:slot, 'pgoutput', false, false, true);
+
+-- name: revoke_emit_message
+-- pg_logical_emit_message, every signature of it, from PUBLIC: until then any role
+-- of the database can put a message with this outbox's prefix into the log, which
+-- the relay would publish. The emit function's owner keeps it (the function runs
+-- with its rights). Needs the rights of the functions' owner: a superuser.
+DO $revoke$
+DECLARE
+    f regprocedure;
+    owner name := (SELECT pg_get_userbyid(proowner) FROM pg_proc
+                   WHERE oid = to_regprocedure({emit_signature_literal}));
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+             WHERE p.proname = 'pg_logical_emit_message'
+               AND p.pronamespace = 'pg_catalog'::regnamespace
+    LOOP
+        IF owner IS NOT NULL THEN
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %I', f, owner);
+        END IF;
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END
+$revoke$;
