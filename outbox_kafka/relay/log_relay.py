@@ -33,11 +33,15 @@ from typing import Any
 import psycopg2
 from confluent_kafka import KafkaException, Producer
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
+from outbox_kafka.database import make_engine
 from outbox_kafka.errors import EventError
 from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy
+from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.topic_names import check_topic
 
 log = logging.getLogger("outbox_kafka.relay.log")
@@ -94,6 +98,22 @@ class LogRelayMetrics:
             "The end LSN the slot was last acknowledged up to",
             registry=self.registry,
         )
+        self.slot_lag = Gauge(
+            "outbox_log_slot_lag_bytes",
+            "WAL the slot holds back: from its confirmed position to the server's current one",
+            registry=self.registry,
+        )
+        self.slot_safe_wal = Gauge(
+            "outbox_log_slot_safe_wal_bytes",
+            "WAL that may still be written before the server gives the slot up "
+            "(NaN: max_slot_wal_keep_size is -1, no limit)",
+            registry=self.registry,
+        )
+        self.slot_lost = Gauge(
+            "outbox_log_slot_lost",
+            "1 when the slot is lost or missing: its events cannot be read",
+            registry=self.registry,
+        )
 
 
 class LogRelay:
@@ -127,6 +147,9 @@ class LogRelay:
         #: What keeps the relay from publishing now (readiness), or None.
         self.problem: str | None = None
         self._strays_counted = (0, 0, 0)
+        self._queries = queries_for(settings.names)
+        self._engine: Engine | None = None
+        self._sampled_at = 0.0
 
     # The loop ------------------------------------------------------------------
 
@@ -149,6 +172,7 @@ class LogRelay:
                         self.metrics.waiting.set(0)
                         log.info("reading the slot", extra={"slot": self.settings.names.log_slot})
                     self.step(self.settings.poll_interval)
+                    self._sample_when_due()
                     backoff = self.settings.backoff_base
                     if self.stalled is None:
                         self.problem = None
@@ -159,6 +183,7 @@ class LogRelay:
                     self._stop.wait(self.settings.poll_interval)
                 except psycopg2.Error as exc:
                     self.problem = f"the database failed: {exc}".strip()
+                    self._sample_when_due(force=True)
                     log.error(
                         "log relay: the database failed; reading again from the last "
                         "acknowledgement",
@@ -217,6 +242,49 @@ class LogRelay:
         finally:
             self.reader.close()
             self._producer.flush(0)
+            if self._engine is not None:
+                self._engine.dispose()
+                self._engine = None
+
+    def sample(self) -> None:
+        """Read the slot's lag, safe WAL size and status into the gauges; a slot lost
+        or missing is said loudly (readiness, the log, ``outbox_log_slot_lost``)."""
+        if self._engine is None:
+            self._engine = make_engine(self.settings.database_url)
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                self._queries["log_slot_state"], {"slot": self.settings.names.log_slot}
+            ).one_or_none()
+        self._sampled_at = time.monotonic()
+        slot = self.settings.names.log_slot
+        if row is None or row.wal_status == "lost":
+            self.metrics.slot_lost.set(1)
+            self.problem = (
+                f"replication slot {slot} is missing: run outbox-kafka log-setup"
+                if row is None
+                else f"replication slot {slot} is lost: the server gave it up "
+                "(max_slot_wal_keep_size), and the events it held are gone"
+            )
+            log.error("log relay: " + self.problem, extra={"action": "log_slot_lost"})
+            return
+        self.metrics.slot_lost.set(0)
+        self.metrics.slot_lag.set(row.lag_bytes or 0)
+        self.metrics.slot_safe_wal.set(
+            float("nan") if row.safe_wal_size is None else row.safe_wal_size
+        )
+
+    def _sample_when_due(self, *, force: bool = False) -> None:
+        due = time.monotonic() - self._sampled_at >= self.settings.sample_interval
+        if not (force or due):
+            return
+        try:
+            self.sample()
+        except SQLAlchemyError as exc:
+            self._sampled_at = time.monotonic()
+            log.warning(
+                "log relay: the slot could not be sampled",
+                extra={"action": "log_sample_failed", "error": str(exc).strip()},
+            )
 
     # Health --------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ the acknowledgement, and a stream that stops before an event Kafka will not take
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -201,3 +202,41 @@ def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return condition()
+
+
+def test_the_slot_is_sampled_into_gauges_and_a_missing_slot_is_said(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(1)
+    relay = _relay(log_url, kafka_bootstrap)
+    value = relay.metrics.registry.get_sample_value
+    try:
+        for n in range(1, 51):
+            with log_engine.begin() as conn:
+                _emit(conn, topic, "k", n)
+        relay.sample()
+        held = value("outbox_log_slot_lag_bytes")
+        assert held is not None and held > 50 * 400, held
+        assert math.isnan(value("outbox_log_slot_safe_wal_bytes") or 0.0)
+        assert value("outbox_log_slot_lost") == 0
+        assert relay.drain(idle=0.5) == 50
+
+        def lag_after_acknowledgement() -> bool:
+            relay.sample()
+            lag = value("outbox_log_slot_lag_bytes")
+            return lag is not None and lag < held
+
+        assert wait_for(lag_after_acknowledgement, 10.0), value("outbox_log_slot_lag_bytes")
+    finally:
+        relay.close()
+    with log_engine.begin() as conn:
+        conn.exec_driver_sql("SELECT pg_drop_replication_slot(%(s)s)", {"s": NAMES.log_slot})
+    orphan = LogRelay(make_settings(log_url, kafka_bootstrap))
+    try:
+        orphan.sample()
+        assert orphan.metrics.registry.get_sample_value("outbox_log_slot_lost") == 1
+        assert orphan.loop_problem(1.0) == (
+            f"replication slot {NAMES.log_slot} is missing: run outbox-kafka log-setup"
+        )
+    finally:
+        orphan.close()

@@ -1213,3 +1213,15 @@ BEGIN
     END LOOP;
 END
 $revoke$;
+
+-- name: log_slot_state
+-- The outbox's slot as the log mode's relay samples it: the WAL it holds back
+-- (bytes from its confirmed position to the server's current one), how much more
+-- WAL may be written before the server gives it up (NULL: no limit,
+-- max_slot_wal_keep_size = -1), and its wal_status (lost: given up). No row: no
+-- such slot.
+SELECT CAST(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) AS bigint) AS lag_bytes,
+       safe_wal_size,
+       wal_status
+FROM pg_replication_slots
+WHERE slot_name = :slot AND database = current_database();
