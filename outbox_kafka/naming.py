@@ -138,12 +138,17 @@ class TableNames:
         """The replication slot the log mode's relay reads this outbox's messages from.
 
         A slot name is 63 bytes at most, of lower-case letters, digits and
-        underscores; long schema and table names are replaced by a digest.
+        underscores. The schema's length comes first, so that no two outboxes
+        share a name (schema ``a_b`` with table ``c`` and schema ``a`` with table
+        ``b_c``); long schema and table names are replaced by a digest of both.
+        Slot names are the server's, not the database's: an outbox of the same
+        schema and table in another database of the server needs another server.
         """
-        readable = f"outbox_kafka_{self.schema}_{self.table}"
+        readable = f"outbox_kafka_{len(self.schema)}_{self.schema}_{self.table}"
         if len(readable) <= _MAX_IDENTIFIER:
             return readable
-        return "outbox_kafka_" + hashlib.blake2b(readable.encode(), digest_size=16).hexdigest()
+        both = f"{self.schema}\0{self.table}".encode()
+        return "outbox_kafka_" + hashlib.blake2b(both, digest_size=16).hexdigest()
 
     @property
     def log_publication(self) -> str:

@@ -37,6 +37,19 @@ from outbox_kafka.log_frames import FramedEvent, FrameError, decode_frame
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay.pgoutput import Begin, Commit, Message, ProtocolError, decode
 
+#: The shortest a read may take: enough to take in a batch of the stream at once.
+_MIN_READ_SECONDS = 0.02
+#: How often a session that reads nothing still tells the server it lives.
+_FEEDBACK_SECONDS = 10.0
+#: libpq settings of the replication connection, which the URL's query overrides.
+_CONNECTION_DEFAULTS = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "30",
+    "keepalives_interval": "10",
+    "keepalives_count": "3",
+}
+
 
 class LogTransaction(NamedTuple):
     """One committed transaction's events, in the order they were written."""
@@ -77,8 +90,13 @@ class LogReader:
         self._current: list[FramedEvent] | None = None
         self._begin: Begin | None = None
         self.strays = Strays()
-        #: The highest end LSN acknowledged by this reader.
+        #: The highest end LSN this session acknowledged.
         self.acknowledged = 0
+        #: The position of the last message that came outside any transaction (a
+        #: non-transactional message): acknowledged when nothing is in flight, so that
+        #: such messages alone do not hold the slot back.
+        self.idle_lsn = 0
+        self._fed_back_at = 0.0
 
     def open(self) -> None:
         """Connect and start streaming from the slot's last acknowledgement."""
@@ -86,6 +104,8 @@ class LogReader:
         # As SQLAlchemy's psycopg2 dialect connects: the URL's parts, then its query
         # (sslmode, a ?user= that wins over the user part, ...).
         params: dict[str, Any] = url.translate_connect_args(username="user", database="dbname")
+        # A network that drops the session silently is noticed, unless the URL says otherwise.
+        params.update(_CONNECTION_DEFAULTS)
         params.update(url.query)
         conn = psycopg2.connect(
             connection_factory=psycopg2.extras.LogicalReplicationConnection, **params
@@ -112,6 +132,10 @@ class LogReader:
             raise
         self._conn, self._cursor = conn, cursor
         self._current, self._begin = None, None
+        # Positions are this session's: a server after a failover may be behind them.
+        self.acknowledged = 0
+        self.idle_lsn = 0
+        self._fed_back_at = time.monotonic()
 
     def close(self) -> None:
         if self._conn is not None:
@@ -126,7 +150,9 @@ class LogReader:
             raise RuntimeError("LogReader.read before open")
         done: list[LogTransaction] = []
         count = 0
-        deadline = time.monotonic() + timeout
+        # However busy the stream (other prefixes' messages too), a read returns
+        # within its time: the loop must acknowledge, answer and stop in between.
+        deadline = time.monotonic() + max(timeout, _MIN_READ_SECONDS)
         while count < max_events:
             message = cursor.read_message()
             if message is None:
@@ -135,13 +161,15 @@ class LogReader:
                     break
                 select.select([cursor], [], [], left)
                 continue
-            finished = self._take(message.payload)
+            finished = self._take(message.payload, message.data_start)
             if finished is not None:
                 done.append(finished)
                 count += len(finished.events)
+            if time.monotonic() >= deadline:
+                break
         return done
 
-    def _take(self, payload: bytes) -> LogTransaction | None:
+    def _take(self, payload: bytes, position: int) -> LogTransaction | None:
         decoded = decode(payload)
         if isinstance(decoded, Begin):
             self._begin, self._current = decoded, []
@@ -153,6 +181,8 @@ class LogReader:
         elif isinstance(decoded, Message):
             if not decoded.transactional or self._current is None:
                 self.strays.non_transactional += 1
+                if self._current is None:
+                    self.idle_lsn = max(self.idle_lsn, position)
             elif decoded.prefix != self._names.log_prefix:
                 self.strays.foreign += 1
             else:
@@ -170,6 +200,17 @@ class LogReader:
         """Everything up to ``end_lsn`` is done: the server may forget it."""
         if self._cursor is None:
             raise RuntimeError("LogReader.acknowledge before open")
-        if end_lsn > self.acknowledged:
-            self.acknowledged = end_lsn
-        self._cursor.send_feedback(flush_lsn=self.acknowledged, reply=True)
+        if end_lsn <= self.acknowledged:
+            return
+        self.acknowledged = end_lsn
+        self._cursor.send_feedback(flush_lsn=end_lsn, force=True)
+        self._fed_back_at = time.monotonic()
+
+    def keep_alive(self) -> None:
+        """Tell the server this session lives, when nothing has been said for a while:
+        a relay that stalls, or waits for Kafka, reads nothing, and the server ends a
+        session it has not heard from within wal_sender_timeout (60 s by default)."""
+        if self._cursor is None or time.monotonic() - self._fed_back_at < _FEEDBACK_SECONDS:
+            return
+        self._cursor.send_feedback(force=True)
+        self._fed_back_at = time.monotonic()

@@ -10,14 +10,17 @@ a lease or a record: the only state is the slot's acknowledged position, kept by
 the server.
 
 An event that Kafka does not take (its delivery failed, or the producer refused
-it) stalls the stream at its transaction: nothing is read past what is in flight,
-nothing is acknowledged past the transaction before it, and its undelivered events
-are produced again, after a backoff, until Kafka takes them; the relay says so in
-its log, its metrics and its readiness. ``drain`` (``relay --drain``) stops at a
+it) stalls the stream at its transaction: nothing more is read, what is queued
+behind it is purged, what is in flight is waited for, the transactions before it
+are acknowledged, and after a backoff the stream is read again from there, until
+Kafka takes it. Events after it that had reached Kafka are sent again, after it
+(at least once, and a key's first copies in commit order). The relay says so in
+its log, its metrics and its readiness; ``drain`` (``relay --drain``) stops at a
 stall instead (:class:`LogStalled`). A relay that stops or dies reads on, when
-started again, from the last acknowledgement: events after it that had reached
-Kafka are sent again (at least once). The polling relay's parking and dead-letter
-topic are not part of this mode yet.
+started again, from the last acknowledgement. An event Kafka will never take
+(a topic that is never made) stalls the stream until an operator steps in (see
+docs/explanation/log-mode.md). The polling relay's parking and dead-letter topic
+are not part of this mode yet.
 """
 
 from __future__ import annotations
@@ -135,6 +138,10 @@ class LogRelay:
         #: At most this many events produced and not yet acknowledged.
         self._max_in_flight = max(1, settings.batch_size) * 4
         self._events_in_flight = 0
+        self._reading = False
+        #: Why an event in flight was not delivered (the first), until the restart.
+        self._failure: str | None = None
+        self._purged = False
         #: Events delivered and acknowledged since the relay started.
         self.published = 0
         #: Why the stream is stalled (an event Kafka did not take), or None.
@@ -146,6 +153,8 @@ class LogRelay:
         self.last_cycle_at: float | None = None
         #: What keeps the relay from publishing now (readiness), or None.
         self.problem: str | None = None
+        #: A lost or missing slot, as the last sample found it.
+        self._slot_problem: str | None = None
         self._strays_counted = (0, 0, 0)
         self._queries = queries_for(settings.names)
         self._engine: Engine | None = None
@@ -157,21 +166,17 @@ class LogRelay:
         """Start reading the slot (:class:`~outbox_kafka.relay.log_reader.SlotBusy` while
         another session reads it)."""
         self.reader.open()
+        self._reading = True
 
     def run(self) -> None:
         """Publish until :meth:`stop`: waits while another session reads the slot, and
-        reconnects after a database failure, backing off."""
+        reads again from the last acknowledgement after a database failure, backing off."""
         backoff = self.settings.backoff_base
-        reading = False
         try:
             while not self._stop.is_set():
                 try:
-                    if not reading:
-                        self.reader.open()
-                        reading = True
-                        self.metrics.waiting.set(0)
-                        log.info("reading the slot", extra={"slot": self.settings.names.log_slot})
                     self.step(self.settings.poll_interval)
+                    self.metrics.waiting.set(0)
                     self._sample_when_due()
                     backoff = self.settings.backoff_base
                     if self.stalled is None:
@@ -183,14 +188,13 @@ class LogRelay:
                     self._stop.wait(self.settings.poll_interval)
                 except psycopg2.Error as exc:
                     self.problem = f"the database failed: {exc}".strip()
-                    self._sample_when_due(force=True)
                     log.error(
                         "log relay: the database failed; reading again from the last "
                         "acknowledgement",
                         extra={"action": "log_reconnect", "error": str(exc).strip()},
                     )
-                    reading = False
                     self._abandon()
+                    self._sample_when_due(force=True)
                     self._stop.wait(backoff)
                     backoff = min(self.settings.backoff_cap, backoff * 2)
         finally:
@@ -201,15 +205,37 @@ class LogRelay:
 
     def step(self, timeout: float) -> int:
         """Read what has committed (waiting up to ``timeout`` when nothing is in flight),
-        send it, and acknowledge what is delivered; the events acknowledged."""
-        room = self._max_in_flight - self._events_in_flight
-        if room > 0 and self.stalled is None:
-            wait = 0.0 if self._in_flight else timeout
-            for transaction in self.reader.read(wait, max_events=room):
-                self._send(transaction)
-            self._count_strays()
+        send it, and acknowledge what is delivered; the events acknowledged.
+
+        After a failure, nothing more is read: what is queued is purged, what is in
+        flight is waited for, the transactions before the failed one are acknowledged,
+        and the stream is read again from there after a backoff (at least once)."""
+        if not self._reading:
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                self._stop.wait(min(wait, timeout))
+                return 0
+            self.open()
+        if self._failure is None:
+            room = self._max_in_flight - self._events_in_flight
+            if room > 0:
+                wait = 0.0 if self._in_flight else timeout
+                for transaction in self.reader.read(wait, max_events=room):
+                    self._send(transaction)
+                self._count_strays()
+        elif not self._purged:
+            # Queued behind the failure, not sent yet: they would only be sent again.
+            self._producer.purge(in_queue=True, in_flight=False, blocking=False)
+            self._purged = True
         self._producer.poll(0.05 if self._in_flight else 0)
         done = self._acknowledge()
+        if self._failure is not None:
+            if all(entry.remaining <= 0 for entry in self._in_flight):
+                self._restart_after(self._failure)
+        elif not self._in_flight and self.reader.idle_lsn > self.reader.acknowledged:
+            self.reader.acknowledge(self.reader.idle_lsn)
+        if self._reading:
+            self.reader.keep_alive()
         self.last_cycle_at = time.monotonic()
         return done
 
@@ -236,11 +262,14 @@ class LogRelay:
         and stop reading."""
         try:
             deadline = time.monotonic() + timeout
-            while self._in_flight and self.stalled is None and time.monotonic() < deadline:
+            while self._in_flight and self._reading and time.monotonic() < deadline:
                 self._producer.poll(0.05)
                 self._acknowledge()
+                if self._in_flight and self._in_flight[0].failed:
+                    break
         finally:
             self.reader.close()
+            self._reading = False
             self._producer.flush(0)
             if self._engine is not None:
                 self._engine.dispose()
@@ -259,14 +288,15 @@ class LogRelay:
         slot = self.settings.names.log_slot
         if row is None or row.wal_status == "lost":
             self.metrics.slot_lost.set(1)
-            self.problem = (
+            self._slot_problem = (
                 f"replication slot {slot} is missing: run outbox-kafka log-setup"
                 if row is None
                 else f"replication slot {slot} is lost: the server gave it up "
                 "(max_slot_wal_keep_size), and the events it held are gone"
             )
-            log.error("log relay: " + self.problem, extra={"action": "log_slot_lost"})
+            log.error("log relay: " + self._slot_problem, extra={"action": "log_slot_lost"})
             return
+        self._slot_problem = None
         self.metrics.slot_lost.set(0)
         self.metrics.slot_lag.set(row.lag_bytes or 0)
         self.metrics.slot_safe_wal.set(
@@ -289,8 +319,9 @@ class LogRelay:
     # Health --------------------------------------------------------------------
 
     def loop_problem(self, timeout: float) -> str | None:
-        """For readiness: why the relay does not publish now (a stall, a busy slot)."""
-        return self.problem
+        """For readiness: why the relay does not publish now (a stall, a busy slot, a
+        lost or missing slot)."""
+        return self.problem or self._slot_problem
 
     def kafka_problem(self, timeout: float) -> str | None:
         """For readiness: whether the producer reaches a broker."""
@@ -303,23 +334,25 @@ class LogRelay:
     # Sending and acknowledging ---------------------------------------------------
 
     def _send(self, transaction: LogTransaction) -> None:
-        entry = _InFlight(transaction.end_lsn, len(transaction.events))
+        size = len(transaction.events)
+        # Counted down by the delivery reports: an event not produced (an exception
+        # part-way) keeps its transaction from ever being acknowledged.
+        entry = _InFlight(transaction.end_lsn, size, remaining=size)
         self._in_flight.append(entry)
-        self._events_in_flight += entry.size
+        self._events_in_flight += size
         for event in transaction.events:
             self._produce(event, entry)
 
     def _produce(self, event: FramedEvent, entry: _InFlight) -> None:
-        entry.remaining += 1
-
         def report(err: Any, _msg: Any) -> None:
             entry.remaining -= 1
             if err is not None:
                 entry.failed.append(event)
+                reason = f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {err}"
                 if entry.failure is None:
-                    entry.failure = (
-                        f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {err}"
-                    )
+                    entry.failure = reason
+                if self._failure is None:
+                    self._failure = reason
 
         try:
             check_topic(event.topic)
@@ -343,14 +376,12 @@ class LogRelay:
                 return
 
     def _acknowledge(self) -> int:
-        """Acknowledge the transactions at the front that are wholly delivered; stall at
-        the first that is not, and produce its failed events again once backed off."""
+        """Acknowledge the transactions at the front whose events are all delivered."""
         done = 0
         last: int | None = None
         while self._in_flight and self._in_flight[0].remaining <= 0:
             head = self._in_flight[0]
             if head.failed:
-                self._stall(head)
                 break
             self._in_flight.popleft()
             self._events_in_flight -= head.size
@@ -361,38 +392,29 @@ class LogRelay:
             self.published += done
             self.metrics.published.inc(done)
             self.metrics.acknowledged.set(self.reader.acknowledged)
-        if (
-            done
-            and self.stalled is not None
-            and not (self._in_flight and self._in_flight[0].failed)
-        ):
-            self._unstall()
+            if self.stalled is not None and self._failure is None:
+                self._unstall()
         return done
 
-    def _stall(self, head: _InFlight) -> None:
-        now = time.monotonic()
+    def _restart_after(self, failure: str) -> None:
+        """Everything in flight is reported and what preceded the failure acknowledged:
+        read again from there, after a backoff."""
         if self.stalled is None:
-            self.stalled = (
-                f"{head.failure}; the stream stops before it, acknowledged up to LSN "
-                f"{self.reader.acknowledged:X}"
-            )
-            self.problem = f"stalled: {self.stalled}"
             self.metrics.stalls.inc()
             self.metrics.stalled.set(1)
-            self._retry_at = now + self._backoff
             log.error(
-                "log relay stalled: an event was not published; it is sent again until "
-                "Kafka takes it, and nothing after it is acknowledged",
-                extra={"action": "log_stalled", "error": head.failure},
+                "log relay stalled: an event was not published; the stream is read again "
+                "from the last acknowledgement until Kafka takes it",
+                extra={"action": "log_stalled", "error": failure},
             )
-            return
-        if now < self._retry_at:
-            return
-        failed, head.failed, head.failure = head.failed, [], None
-        for event in failed:
-            self._produce(event, head)
+        self.stalled = (
+            f"{failure}; the stream stops before it, acknowledged up to LSN "
+            f"{self.reader.acknowledged:X}"
+        )
+        self.problem = f"stalled: {self.stalled}"
+        self._abandon(keep_stall=True)
+        self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self.settings.backoff_cap, self._backoff * 2)
-        self._retry_at = now + self._backoff
 
     def _unstall(self) -> None:
         log.warning("log relay: the stream goes on", extra={"action": "log_resumed"})
@@ -401,12 +423,16 @@ class LogRelay:
         self._backoff = self.settings.backoff_base
         self.metrics.stalled.set(0)
 
-    def _abandon(self) -> None:
-        """Forget what is in flight (the reader reads it again from the acknowledgement)."""
+    def _abandon(self, *, keep_stall: bool = False) -> None:
+        """Forget what is in flight and stop reading (the next step reads it again from
+        the last acknowledgement)."""
         self.reader.close()
+        self._reading = False
         self._in_flight.clear()
         self._events_in_flight = 0
-        if self.stalled is not None:
+        self._failure = None
+        self._purged = False
+        if self.stalled is not None and not keep_stall:
             self._unstall()
 
     def _count_strays(self) -> None:

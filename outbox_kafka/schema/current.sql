@@ -235,11 +235,11 @@ BEGIN
     END IF;
     IF NOT EXISTS (
         SELECT 1 FROM pg_replication_slots
-        WHERE slot_name = 'outbox_kafka_public_outbox'
+        WHERE slot_name = 'outbox_kafka_6_public_outbox'
           AND database = current_database()
           AND wal_status IS DISTINCT FROM 'lost'
     ) THEN
-        RAISE EXCEPTION 'outbox log mode: no usable replication slot %', 'outbox_kafka_public_outbox'
+        RAISE EXCEPTION 'outbox log mode: no usable replication slot %', 'outbox_kafka_6_public_outbox'
               USING ERRCODE = 'object_not_in_prerequisite_state',
                     HINT = 'Make it with outbox-kafka log-setup. A lost slot must be dropped '
                            'first, and the events it held are gone.';

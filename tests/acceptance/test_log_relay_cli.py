@@ -84,6 +84,30 @@ def _ready(port: int) -> tuple[int, str]:
         return 0, str(exc)
 
 
+def _gauge(port: int, name: str) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def _start(log_url: str, bootstrap: str, port: int) -> subprocess.Popen[str]:
+    """A relay in run mode serving its endpoints on ``port``."""
+    return subprocess.Popen(
+        _args(log_url, bootstrap, "--metrics-port", str(port)),
+        env=_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+
 def _free_port() -> int:
     import socket
 
@@ -106,30 +130,17 @@ def test_a_second_relay_waits_then_takes_over_when_the_first_is_killed(
 ) -> None:
     topic = new_topic(2)
     ports = [_free_port(), _free_port()]
-    first = subprocess.Popen(
-        _args(log_url, kafka_bootstrap, "--metrics-port", str(ports[0])),
-        env=_env(),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = _start(log_url, kafka_bootstrap, ports[0])
     second: subprocess.Popen[str] | None = None
     try:
         _emit(log_engine, topic, "k", 1, 20)
         assert _wait(lambda: _ready(ports[0])[0] == 200, 60), _ready(ports[0])
-        second = subprocess.Popen(
-            _args(log_url, kafka_bootstrap, "--metrics-port", str(ports[1])),
-            env=_env(),
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        second = _start(log_url, kafka_bootstrap, ports[1])
         # The second is alive and not ready: the slot is read by the first.
-        assert _wait(lambda: "the slot is read by another relay" in _ready(ports[1])[1], 60), (
-            _ready(ports[1])
+        assert _wait(lambda: _gauge(ports[1], "outbox_log_waiting_for_slot") == 1.0, 60), _ready(
+            ports[1]
         )
+        assert _ready(ports[1])[0] == 503
         assert consume_all(kafka_bootstrap, topic, 20)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(30)
@@ -166,9 +177,9 @@ def test_log_setup_says_what_it_made(logical_server_url: str) -> None:
         ]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     assert runs[0].stdout.splitlines() == [
-        "publication outbox_kafka_public_outbox: created",
-        "slot outbox_kafka_public_outbox: created",
+        "publication outbox_kafka_6_public_outbox: created",
+        "slot outbox_kafka_6_public_outbox: created",
         "pg_logical_emit_message: not executable by PUBLIC",
     ]
-    assert "publication outbox_kafka_public_outbox: exists" in runs[1].stdout
-    assert "slot outbox_kafka_public_outbox: exists" in runs[1].stdout
+    assert "publication outbox_kafka_6_public_outbox: exists" in runs[1].stdout
+    assert "slot outbox_kafka_6_public_outbox: exists" in runs[1].stdout
