@@ -14,7 +14,8 @@ it) stalls the stream at its transaction: nothing more is read, what is queued
 behind it is purged, what is in flight is waited for, the transactions before it
 are acknowledged, and after a backoff the stream is read again from there, until
 Kafka takes it. Events after it that had reached Kafka are sent again, after it
-(at least once, and a key's first copies in commit order). The relay says so in
+(at least once); one of the same key that Kafka took before the failure was
+known stays ahead of it on the topic. The relay says so in
 its log, its metrics and its readiness; ``drain`` (``relay --drain``) stops at a
 stall instead (:class:`LogStalled`). A relay that stops or dies reads on, when
 started again, from the last acknowledgement. An event Kafka will never take
