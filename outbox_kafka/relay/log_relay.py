@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg2
@@ -45,6 +45,7 @@ from outbox_kafka.errors import EventError
 from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy
+from outbox_kafka.relay.send import broker_problem
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.topic_names import check_topic
 
@@ -61,11 +62,10 @@ class _InFlight:
 
     end_lsn: int
     size: int
-    #: Its events that are produced and not reported yet.
-    remaining: int = 0
-    #: Its events whose delivery failed, to produce again; and why the first failed.
-    failed: list[FramedEvent] = field(default_factory=list)
-    failure: str | None = None
+    #: Its events not reported yet (produced or not).
+    remaining: int
+    #: The delivery of one of its events failed.
+    failed: bool = False
 
 
 class LogRelayMetrics:
@@ -326,11 +326,7 @@ class LogRelay:
 
     def kafka_problem(self, timeout: float) -> str | None:
         """For readiness: whether the producer reaches a broker."""
-        try:
-            self._producer.list_topics(timeout=timeout)
-        except KafkaException as exc:
-            return f"no broker answers: {exc}"
-        return None
+        return broker_problem(self._producer, timeout)
 
     # Sending and acknowledging ---------------------------------------------------
 
@@ -338,7 +334,7 @@ class LogRelay:
         size = len(transaction.events)
         # Counted down by the delivery reports: an event not produced (an exception
         # part-way) keeps its transaction from ever being acknowledged.
-        entry = _InFlight(transaction.end_lsn, size, remaining=size)
+        entry = _InFlight(transaction.end_lsn, size, size)
         self._in_flight.append(entry)
         self._events_in_flight += size
         for event in transaction.events:
@@ -348,12 +344,11 @@ class LogRelay:
         def report(err: Any, _msg: Any) -> None:
             entry.remaining -= 1
             if err is not None:
-                entry.failed.append(event)
-                reason = f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {err}"
-                if entry.failure is None:
-                    entry.failure = reason
+                entry.failed = True
                 if self._failure is None:
-                    self._failure = reason
+                    self._failure = (
+                        f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {err}"
+                    )
 
         try:
             check_topic(event.topic)

@@ -822,15 +822,21 @@ class Publisher:
 
         Safe to call from another thread than the one sending.
         """
-        try:
-            metadata = self._producer.list_topics(timeout=timeout)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            return _describe(err) if isinstance(err, KafkaError) else str(exc)
-        if not metadata.brokers:
-            return "the cluster metadata lists no brokers"
-        return None
+        return broker_problem(self._producer, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         with contextlib.suppress(KafkaException):
             self._producer.flush(timeout)
+
+
+def broker_problem(producer: Any, timeout: float) -> str | None:
+    """Why no broker answers ``producer``'s metadata request within ``timeout`` seconds,
+    or None; for readiness, from any thread."""
+    try:
+        metadata = producer.list_topics(timeout=timeout)
+    except KafkaException as exc:
+        err = exc.args[0] if exc.args else None
+        return _describe(err) if isinstance(err, KafkaError) else str(exc)
+    if not metadata.brokers:
+        return "the cluster metadata lists no brokers"
+    return None

@@ -434,6 +434,18 @@ class _ExplainingCursor(psycopg2.extensions.cursor):
         super().execute(query, vars)
 
 
+def _explaining_store(database_url: str, watched: tuple[str, ...]) -> Store:
+    """A store whose cursors EXPLAIN the ``watched`` statements (fresh plans)."""
+    queries = queries_for(NAMES)
+    _ExplainingCursor.watched = {queries.driver_sql(name): name for name in watched}
+    _ExplainingCursor.plans = {}
+    return Store(
+        database_url,
+        NAMES,
+        engine=make_engine(database_url, connect_args={"cursor_factory": _ExplainingCursor}),
+    )
+
+
 def test_claim_and_record_stay_within_the_batch_when_the_queue_statistics_are_stale(
     engine: sa.Engine, database_url: str
 ) -> None:
@@ -450,15 +462,8 @@ def test_claim_and_record_stay_within_the_batch_when_the_queue_statistics_are_st
         conn.commit()
     keys = [f"k{i:05d}" for i in range(4000)]
     enqueue_bulk(engine, topic_outbox(), seq_events("stale-topic", keys, len(keys)))
-    queries = queries_for(NAMES)
     watched = ("admit_arrivals", "claim_keys", "lease_keys", "claim_events", "record_batch")
-    _ExplainingCursor.watched = {queries.driver_sql(name): name for name in watched}
-    _ExplainingCursor.plans = {}
-    store = Store(
-        database_url,
-        NAMES,
-        engine=make_engine(database_url, connect_args={"cursor_factory": _ExplainingCursor}),
-    )
+    store = _explaining_store(database_url, watched)
     try:
         # The first claims move the writers' arrivals into the key queue; then one
         # claims 100 of the 4,000 due keys, and its record removes them.
@@ -496,14 +501,7 @@ def test_record_reads_its_batch_not_the_backlog_of_its_keys(
     with engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE")
         conn.commit()
-    queries = queries_for(NAMES)
-    _ExplainingCursor.watched = {queries.driver_sql("record_batch"): "record_batch"}
-    _ExplainingCursor.plans = {}
-    store = Store(
-        database_url,
-        NAMES,
-        engine=make_engine(database_url, connect_args={"cursor_factory": _ExplainingCursor}),
-    )
+    store = _explaining_store(database_url, ("record_batch",))
     try:
         claim = store.claim(batch_size=1000, lease_seconds=30.0, max_keys=15)
         assert claim.event_count == 990
