@@ -30,6 +30,7 @@ from . import (
     business,
     hotkey,
     latency,
+    log_mode,
     peers,
     plots,
     producer,
@@ -114,6 +115,14 @@ BENCHES: list[Bench] = [
         latency.NAME,
         latency.run,
         "commit-to-ack latency at 100, 1,000 and 5,000 events/s, LISTEN on and off",
+        needs_kafka=True,
+    ),
+    Bench(
+        log_mode.NAME,
+        log_mode.run,
+        "the log mode (Outbox(write_to='log'), relay --source log) against a plain INSERT and "
+        "the tables: writers' transactions/s at 8 and 16 on 1,000 keys and one hot key; "
+        "commit-to-consumer latency at 1,000 events/s against the polling relay",
         needs_kafka=True,
     ),
     Bench(

@@ -127,13 +127,22 @@ class BusinessBench:
         finally:
             conn.close()
 
-    def measure(self, keys: int, writers: int, count: int) -> dict[str, list[float]]:
+    def measure(
+        self,
+        keys: int,
+        writers: int,
+        count: int,
+        measurements: dict[str, Callable[[list[list[Item]]], float]] | None = None,
+    ) -> dict[str, list[float]]:
+        """Seconds per transaction of each of ``measurements`` (by default: the plain
+        INSERT, ``enqueue`` and ``enqueue`` with a relay idle), interleaved round by round."""
         plans = {size: self.plan(keys, writers, size) for size in (2 * writers, count)}
-        measurements = {
-            "plain INSERT": self.plain,
-            "enqueue": self.enqueue,
-            "enqueue, a relay idle (notify on every commit)": self.enqueue_relay_idle,
-        }
+        if measurements is None:
+            measurements = {
+                "plain INSERT": self.plain,
+                "enqueue": self.enqueue,
+                "enqueue, a relay idle (notify on every commit)": self.enqueue_relay_idle,
+            }
         for measure in measurements.values():  # warm-up, untimed
             self.truncate()
             measure(plans[2 * writers])

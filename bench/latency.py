@@ -26,7 +26,7 @@ import multiprocessing
 import multiprocessing.pool
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from outbox_kafka import Outbox
@@ -51,7 +51,6 @@ WRITER_THREADS = 4
 START_DELAY = 1.5
 CATCH_UP_SECONDS = 60.0
 READY_SECONDS = 60.0
-POLL_SECONDS = 0.02
 
 TARGET_P99_MS = Target(25.0, at_most=True)
 #: Where the p99 target applies.
@@ -72,11 +71,23 @@ class WriterJob:
     start_at: float  # time.monotonic(), the same clock in every process on one host
     size: int = DEFAULT_SIZE
     keys: int = KEYS
+    #: The outbox's ``write_to``: its tables or the write-ahead log.
+    write_to: str = "table"
 
 
-def write_share(job: WriterJob) -> tuple[int, float]:
-    """Run in a writer process: commit this share on schedule; (events written, end time)."""
-    outbox = Outbox(schema_dir=SCHEMA_DIR, routes=ROUTES)
+@dataclass(frozen=True)
+class Share:
+    """What one writer process did: events written, when it ended (``time.monotonic``),
+    and each event's commit time (``time.time()`` once the commit returned) by id."""
+
+    written: int
+    end: float
+    committed: dict[str, float]
+
+
+def write_share(job: WriterJob) -> Share:
+    """Run in a writer process: commit this share on schedule."""
+    outbox = Outbox(schema_dir=SCHEMA_DIR, routes=ROUTES, write_to=job.write_to)
     engine = make_engine(job.url, pool_size=job.threads)
     events = [
         (i, e)
@@ -85,6 +96,7 @@ def write_share(job: WriterJob) -> tuple[int, float]:
     ]
     ends = [0.0] * job.threads
     written = [0] * job.threads
+    committed: dict[str, float] = {}
     errors: list[BaseException] = []
 
     def writer(thread: int) -> None:
@@ -95,7 +107,10 @@ def write_share(job: WriterJob) -> tuple[int, float]:
                     if delay > 0:
                         time.sleep(delay)
                     with conn.begin():
-                        outbox.enqueue(conn, type=e.type, key=e.key, data=e.data, topic=e.topic)
+                        event_id = outbox.enqueue(
+                            conn, type=e.type, key=e.key, data=e.data, topic=e.topic
+                        )
+                    committed[str(event_id)] = time.time()
                     written[thread] += 1
             ends[thread] = time.monotonic()
         except BaseException as exc:
@@ -109,7 +124,7 @@ def write_share(job: WriterJob) -> tuple[int, float]:
     engine.dispose()
     if errors:
         raise errors[0]
-    return sum(written), max(ends)
+    return Share(sum(written), max(ends), committed)
 
 
 @dataclass(frozen=True)
@@ -135,20 +150,6 @@ class LatencyBench:
     def log(self, message: str) -> None:
         self.ctx.log(f"{NAME}: {message} (load {load_average()})")
 
-    def wait_until(
-        self, done: Callable[[], bool], what: str, timeout: float, relay: RelayProcess
-    ) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if done():
-                return
-            if not relay.alive():
-                relay.checked(relay.wait())
-                raise RuntimeError(f"the relay exited while {what}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: not done after {timeout:.0f} s")
-            time.sleep(POLL_SECONDS)
-
     def point(
         self, table: Table, pool: multiprocessing.pool.Pool, rate: int, listen: bool
     ) -> Point:
@@ -166,11 +167,10 @@ class LatencyBench:
                         data=next(events_for(1, spread(1), topic)).data,
                         topic=self.kafka.warm_up_topic,
                     )
-                self.wait_until(
+                relay.wait_for(
                     lambda: table.scalar("delivered") >= 1,
                     "relaying the warm-up event",
                     READY_SECONDS,
-                    relay,
                 )
                 cpu = relay.cpu_seconds()
                 start_at = time.monotonic() + START_DELAY
@@ -181,10 +181,10 @@ class LatencyBench:
                     for p in range(WRITER_PROCESSES)
                 ]
                 shares = pool.map(write_share, jobs)
-                written = sum(n for n, _ in shares)
-                elapsed = max(end for _, end in shares) - start_at
-                self.wait_until(
-                    lambda: table.scalar("pending") == 0, "catching up", CATCH_UP_SECONDS, relay
+                written = sum(share.written for share in shares)
+                elapsed = max(share.end for share in shares) - start_at
+                relay.wait_for(
+                    lambda: table.scalar("pending") == 0, "catching up", CATCH_UP_SECONDS
                 )
                 cpu = relay.cpu_seconds() - cpu
                 rss = relay.sample_memory()

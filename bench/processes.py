@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -32,7 +32,10 @@ from .tables import Table
 GATE_GRACE_SECONDS = 0.5
 POLL_SECONDS = 0.01
 _TICKS = os.sysconf("SC_CLK_TCK")
-_PUBLISHED = re.compile(r"^outbox_events_published_total\{[^}]*\} ([0-9.e+]+)$", re.MULTILINE)
+#: Events published: the polling relay's counter (by topic) or the log relay's.
+_PUBLISHED = re.compile(
+    r"^outbox_(?:events|log)_published_total(?:\{[^}]*\})? ([0-9.e+]+)$", re.MULTILINE
+)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,18 @@ class RelayProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
         return self.wait(timeout)
+
+    def wait_for(self, done: Callable[[], bool], what: str, timeout: float) -> None:
+        """Poll ``done`` until true; raise if the relay exits first (with its stderr) or
+        ``timeout`` seconds pass (``what`` names the wait)."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if not self.alive():
+                self.checked(self.wait())
+                raise RuntimeError(f"the relay exited while {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: not done after {timeout:.0f} s")
+            time.sleep(POLL_SECONDS)
 
     def checked(self, exit: Exit) -> Exit:
         if exit.returncode != 0:

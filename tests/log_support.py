@@ -19,6 +19,17 @@ from outbox_kafka.relay.log_reader import LogReader, LogTransaction, Strays
 
 NAMES = TableNames()
 
+#: The lines ``check --source log`` adds, in order.
+LOG_CHECK_LINES = [
+    "wal_level",
+    "replication role",
+    "publication",
+    "replication slot",
+    "slot WAL limit",
+    "slot failover",
+    "emit privilege",
+]
+
 
 def _admin(url: str) -> sa.Engine:
     return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)

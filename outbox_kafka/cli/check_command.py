@@ -62,7 +62,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     pending: list[operations.PendingTopics] = []
     if targets is not None:
         for target in targets:
-            results.extend(_check_outbox_database(target, timeout, pending))
+            results.extend(_check_outbox_database(target, timeout, pending, args.source))
     elif args.outboxes_file:
         results.append(check("database", False, "not checked: fix the outboxes file first"))
     elif not args.database_url:
@@ -75,7 +75,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             results.append(check("database", False, str(exc)))
             results.append(check("migrations", False, "not checked: fix the settings first"))
         else:
-            results.extend(_check_database(args.database_url, names, timeout, pending))
+            results.extend(_check_database(args.database_url, names, timeout, pending, args.source))
 
     if settings is None:
         results.append(check("kafka", False, "not checked: fix the settings first"))
@@ -120,10 +120,12 @@ def _check_database(
     names: TableNames,
     timeout: float,
     pending: list[operations.PendingTopics],
+    source: str,
     outbox: str | None = None,
 ) -> list[operations.CheckResult]:
-    """The database and migration checks of the outbox ``names`` at ``url``; the topics
-    its pending events wait for are added to ``pending`` (checked with Kafka's)."""
+    """The database and migration checks of the outbox ``names`` at ``url``, and the log
+    mode's if ``source`` is the log; the topics its pending events wait for are added to
+    ``pending`` (checked with Kafka's)."""
     register_secrets(url_secrets(url))
     try:
         engine = short_command_engine(url, connect_timeout=timeout)
@@ -134,21 +136,26 @@ def _check_database(
         ]
     try:
         results = list(operations.check_database(engine, names, shown_url=redact_url(url)))
-        if all(r.ok for r in results):
-            try:
-                pending.append(operations.pending_topics(engine, names, outbox=outbox))
-            except OutboxError as exc:
-                results.append(operations.CheckResult("pending topics", False, str(exc)))
+        if not all(r.ok for r in results):
+            return results
+        if source == "log":
+            results += operations.check_log_mode(engine, names)
+        try:
+            pending.append(operations.pending_topics(engine, names, outbox=outbox))
+        except OutboxError as exc:
+            results.append(operations.CheckResult("pending topics", False, str(exc)))
         return results
     finally:
         engine.dispose()
 
 
 def _check_outbox_database(
-    target: OutboxTarget, timeout: float, pending: list[operations.PendingTopics]
+    target: OutboxTarget, timeout: float, pending: list[operations.PendingTopics], source: str
 ) -> list[operations.CheckResult]:
     """The database and migration checks of one outbox of ``--outboxes-file``, named for it."""
-    found = _check_database(target.database_url, target.names, timeout, pending, target.name)
+    found = _check_database(
+        target.database_url, target.names, timeout, pending, source, target.name
+    )
     return [dataclasses.replace(r, name=f"{r.name} [{target.name}]") for r in found]
 
 

@@ -20,6 +20,7 @@ from .diagnosis import (
     pending_topics,
 )
 from .events import DiscardedEvent, ParkedKey
+from .log_check import check_log_mode
 from .purge import (
     DEFAULT_PURGE_BATCH,
     DEFAULT_RETAIN_DELIVERED_SECONDS,
@@ -51,6 +52,7 @@ __all__ = [
     "check_consistency",
     "check_database",
     "check_kafka",
+    "check_log_mode",
     "check_schemas",
     "outbox_stats",
     "pending_topics",

@@ -30,7 +30,8 @@ class CheckResult:
         return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
+    """A driver's message (or the exception's) on one line, for a check's detail."""
     if isinstance(exc, DBAPIError):
         return str(exc.orig).strip().replace("\n", " ")
     return str(exc).strip().replace("\n", " ") or type(exc).__name__
@@ -54,12 +55,12 @@ def check_database(
                     "migrations",
                     False,
                     f"cannot read the migrations of {names.qualified_events} "
-                    f"as {role}: {_reason(exc)}",
+                    f"as {role}: {reason(exc)}",
                 )
             conn.rollback()
     except (SQLAlchemyError, OutboxError) as exc:
         return (
-            CheckResult("database", False, f"cannot connect to {shown_url}: {_reason(exc)}"),
+            CheckResult("database", False, f"cannot connect to {shown_url}: {reason(exc)}"),
             CheckResult("migrations", False, "not checked: no database connection"),
         )
     detail = f"{shown_url} (PostgreSQL {version}, connected as {role})"

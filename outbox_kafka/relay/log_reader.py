@@ -33,6 +33,7 @@ import psycopg2.extras
 from sqlalchemy.engine import make_url
 
 from outbox_kafka.database import normalise_url
+from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.log_frames import FramedEvent, FrameError, decode_frame
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay.pgoutput import Begin, Commit, Message, ProtocolError, decode
@@ -63,6 +64,11 @@ class LogTransaction(NamedTuple):
 
 class SlotBusy(RuntimeError):
     """Another session reads the slot now."""
+
+
+class SlotUnusable(ConfigurationError):
+    """The slot cannot be read: it is missing, or the server gave it up (lost). Nothing
+    the relay does mends it; an operator does, with ``log-setup``."""
 
 
 @dataclass
@@ -127,6 +133,12 @@ class LogReader:
                 f"replication slot {self._names.log_slot} is read by another session: "
                 f"{str(exc).strip()}"
             ) from None
+        except (
+            psycopg2.errors.UndefinedObject,
+            psycopg2.errors.ObjectNotInPrerequisiteState,
+        ) as exc:
+            conn.close()
+            raise SlotUnusable(self._unusable(exc)) from None
         except BaseException:
             conn.close()
             raise
@@ -136,6 +148,21 @@ class LogReader:
         self.acknowledged = 0
         self.idle_lsn = 0
         self._fed_back_at = time.monotonic()
+
+    def _unusable(self, exc: psycopg2.Error) -> str:
+        """What the server said about a slot it will not stream, and what to do."""
+        slot = self._names.log_slot
+        said = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+        if isinstance(exc, psycopg2.errors.UndefinedObject):
+            remedy = "run outbox-kafka log-setup"
+        else:
+            remedy = (
+                "if the server gave it up (lost: it held more WAL than "
+                "max_slot_wal_keep_size allows), the events written since its last "
+                f"acknowledgement are gone; drop it (SELECT pg_drop_replication_slot('{slot}')) "
+                "and run outbox-kafka log-setup"
+            )
+        return f"replication slot {slot} cannot be read: {said}; {remedy}"
 
     def close(self) -> None:
         if self._conn is not None:

@@ -44,7 +44,7 @@ from outbox_kafka.database import make_engine
 from outbox_kafka.errors import EventError
 from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy
+from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
 from outbox_kafka.relay.send import broker_problem
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.topic_names import check_topic
@@ -187,6 +187,16 @@ class LogRelay:
                     self.problem = str(exc)
                     self.last_cycle_at = time.monotonic()
                     self._stop.wait(self.settings.poll_interval)
+                except SlotUnusable as exc:
+                    # Only an operator mends it; tried again, so that the relay reads a
+                    # slot made again without a restart.
+                    self.metrics.waiting.set(0)
+                    self.metrics.slot_lost.set(1)
+                    self.problem = str(exc)
+                    self.last_cycle_at = time.monotonic()
+                    log.error("log relay: " + str(exc), extra={"action": "log_slot_unusable"})
+                    self._stop.wait(backoff)
+                    backoff = min(self.settings.backoff_cap, backoff * 2)
                 except psycopg2.Error as exc:
                     self.problem = f"the database failed: {exc}".strip()
                     log.error(

@@ -3,6 +3,7 @@ relay that waits while the first reads the slot and takes over when it is killed
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from tests.log_support import log_database, log_outbox
+from tests.log_support import LOG_CHECK_LINES, log_database, log_outbox
 from tests.relay_support import consume_all, per_key_order
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -183,3 +184,24 @@ def test_log_setup_says_what_it_made(logical_server_url: str) -> None:
     ]
     assert "publication outbox_kafka_6_public_outbox: exists" in runs[1].stdout
     assert "slot outbox_kafka_6_public_outbox: exists" in runs[1].stdout
+
+
+def test_check_reports_what_the_log_mode_needs(log_url: str, kafka_bootstrap: str) -> None:
+    args = ["check", "--source", "log", "--database-url", log_url]
+    args += ["--bootstrap-servers", kafka_bootstrap, "--check-timeout", "5"]
+    done = subprocess.run(
+        [CLI, *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    lines = {c["name"]: (c["ok"], c["detail"]) for c in json.loads(done.stdout)["checks"]}
+    names = list(lines)
+    after = names.index("migrations") + 1
+    assert names[after : after + len(LOG_CHECK_LINES)] == LOG_CHECK_LINES
+    # The test database is set up without log-setup's revoke: only that line fails.
+    assert [name for name, (ok, _) in lines.items() if not ok] == ["emit privilege"]
+    assert done.returncode == 1, done.stderr

@@ -1159,24 +1159,35 @@ SELECT current_setting('server_version') AS version, CAST(current_user AS text) 
 SELECT {emit}(CAST(:frame AS bytea));
 
 -- name: log_server_state
--- What the log mode needs of the server and of the outbox's slot: wal_level, the
--- server's major version (failover slots need 17), whether the session may create
--- a slot (superuser or REPLICATION), whether the publication exists, and the slot's
--- plugin and wal_status (NULL: no such slot in this database).
+-- What the log mode needs of the server and of the outbox's slot, for log-setup and
+-- check: wal_level, the server's major version (failover slots need 17),
+-- max_slot_wal_keep_size, whether the session may replicate (superuser or
+-- REPLICATION), whether the publication exists and whether PUBLIC may still call
+-- pg_logical_emit_message; and the slot's plugin, wal_status, whether a session
+-- reads it, the WAL it holds back (bytes from its confirmed position to the
+-- server's current one), safe_wal_size and failover (NULL before 17). The slot's
+-- columns are NULL when there is no such slot in this database.
 SELECT current_setting('wal_level') AS wal_level,
        current_setting('server_version_num')::int / 10000 AS major,
+       current_setting('max_slot_wal_keep_size') AS max_slot_wal_keep_size,
        (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user)
            AS may_replicate,
        EXISTS (SELECT 1 FROM pg_publication WHERE pubname = :publication) AS has_publication,
-       (SELECT plugin FROM pg_replication_slots
-        WHERE slot_name = :slot AND database = current_database()) AS slot_plugin,
-       (SELECT wal_status FROM pg_replication_slots
-        WHERE slot_name = :slot AND database = current_database()) AS slot_wal_status,
        EXISTS (SELECT 1 FROM pg_proc p
                WHERE p.proname = 'pg_logical_emit_message'
                  AND p.pronamespace = 'pg_catalog'::regnamespace
                  AND has_function_privilege('public', p.oid, 'EXECUTE'))
-           AS public_may_emit;
+           AS public_may_emit,
+       s.plugin AS slot_plugin,
+       s.wal_status AS slot_wal_status,
+       s.active AS slot_active,
+       CAST(pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn) AS bigint)
+           AS slot_lag_bytes,
+       s.safe_wal_size AS slot_safe_wal_size,
+       CAST(to_jsonb(s) ->> 'failover' AS boolean) AS slot_failover
+FROM (SELECT 1) AS server
+LEFT JOIN pg_replication_slots s
+       ON s.slot_name = :slot AND s.database = current_database();
 
 -- name: create_log_publication
 -- The publication the log mode streams with: it names no table, so the stream holds

@@ -1,0 +1,189 @@
+"""``outbox-kafka check --source log``: what the log mode needs of the server, one line each.
+
+* ``wal_level``: logical, or no message can be decoded.
+* ``replication role``: the relay's role may stream a slot (REPLICATION or superuser).
+* ``publication`` and ``replication slot``: as ``log-setup`` makes them; the slot's
+  plugin, whether a relay reads it now, the WAL it holds back, and its ``wal_status``.
+  A lost slot (past ``max_slot_wal_keep_size``) fails, with what it cost: the
+  events it held are gone, and nothing here makes it again.
+* ``slot WAL limit``: ``max_slot_wal_keep_size``, and how much more WAL the slot may
+  hold before the server gives it up (unlimited: until the disk fills).
+* ``slot failover``: whether the slot follows a failover (PostgreSQL 17 and later,
+  made with ``log-setup --failover``); before 17 no slot does.
+* ``emit privilege``: ``pg_logical_emit_message`` taken from PUBLIC, or any role of
+  the database can put events into the log for the relay to publish.
+
+The lines that say how things stand rather than what is wrong (the WAL limit,
+failover) pass; the detail says what follows from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox_kafka.naming import TableNames
+from outbox_kafka.operations.diagnosis import CheckResult, reason
+from outbox_kafka.operations.log_setup import FAILOVER_SLOTS_SINCE
+from outbox_kafka.schema.statements import queries_for
+
+_MIB = 1024 * 1024
+
+
+def check_log_mode(engine: Engine, names: TableNames) -> list[CheckResult]:
+    """The log mode's lines for the outbox ``names`` on ``engine``'s server."""
+    params = {"publication": names.log_publication, "slot": names.log_slot}
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(queries_for(names)["log_server_state"], params).mappings().one()
+            state: dict[str, Any] = dict(row)
+            conn.rollback()
+    except SQLAlchemyError as exc:
+        return [CheckResult("log mode", False, f"cannot read the server's state: {reason(exc)}")]
+    return [
+        _wal_level(state),
+        _replication_role(state),
+        _publication(state, names),
+        _slot(state, names),
+        _wal_limit(state),
+        _failover(state),
+        _emit_privilege(state),
+    ]
+
+
+def _wal_level(state: Mapping[str, Any]) -> CheckResult:
+    level = state["wal_level"]
+    if level == "logical":
+        return CheckResult("wal_level", True, "logical")
+    return CheckResult(
+        "wal_level",
+        False,
+        f"{level}, not logical: no event written to the log can be read; set "
+        "wal_level = logical and restart the server",
+    )
+
+
+def _replication_role(state: Mapping[str, Any]) -> CheckResult:
+    if state["may_replicate"]:
+        return CheckResult("replication role", True, "this role may stream a replication slot")
+    return CheckResult(
+        "replication role",
+        False,
+        "this role has neither REPLICATION nor superuser: the relay cannot read the slot "
+        "(ALTER ROLE ... REPLICATION, or the provider's equivalent)",
+    )
+
+
+def _publication(state: Mapping[str, Any], names: TableNames) -> CheckResult:
+    if state["has_publication"]:
+        return CheckResult("publication", True, names.log_publication)
+    return CheckResult(
+        "publication", False, f"{names.log_publication} is missing: run outbox-kafka log-setup"
+    )
+
+
+def _slot(state: Mapping[str, Any], names: TableNames) -> CheckResult:
+    slot = names.log_slot
+    plugin = state["slot_plugin"]
+    if plugin is None:
+        return CheckResult(
+            "replication slot",
+            False,
+            f"{slot} is missing in this database: run outbox-kafka log-setup (producers "
+            "refuse to write to the log until it exists)",
+        )
+    if state["slot_wal_status"] == "lost":
+        return CheckResult(
+            "replication slot",
+            False,
+            f"{slot} is lost: it held more WAL than max_slot_wal_keep_size allows and the "
+            "server removed what it held, so the events written since its last "
+            "acknowledgement are gone; producers refuse to write until it is dropped "
+            f"(SELECT pg_drop_replication_slot('{slot}')) and made again with log-setup",
+        )
+    if plugin != "pgoutput":
+        return CheckResult(
+            "replication slot", False, f"{slot} uses the plugin {plugin}, not pgoutput"
+        )
+    reader = "read by a relay now" if state["slot_active"] else "no relay reads it now"
+    detail = (
+        f"{slot}: {reader}, holding {_size(state['slot_lag_bytes'])} of WAL, "
+        f"wal_status {state['slot_wal_status']}"
+    )
+    if state["slot_wal_status"] == "unreserved":
+        return CheckResult(
+            "replication slot",
+            False,
+            f"{detail}: past max_slot_wal_keep_size, the server will give it up at its next "
+            "checkpoint unless a relay catches up first",
+        )
+    return CheckResult("replication slot", True, detail)
+
+
+def _wal_limit(state: Mapping[str, Any]) -> CheckResult:
+    limit = state["max_slot_wal_keep_size"]
+    if limit == "-1":
+        return CheckResult(
+            "slot WAL limit",
+            True,
+            "max_slot_wal_keep_size = -1 (no limit): while no relay reads the slot the server "
+            "keeps all of the database's WAL, until the disk fills",
+        )
+    safe = state["slot_safe_wal_size"]
+    room = "" if safe is None else f"; the slot may fall {_size(safe)} further behind"
+    return CheckResult(
+        "slot WAL limit",
+        True,
+        f"max_slot_wal_keep_size = {limit}: past it the server gives the slot up and the "
+        f"events it held are lost{room}",
+    )
+
+
+def _failover(state: Mapping[str, Any]) -> CheckResult:
+    major = state["major"]
+    if major < FAILOVER_SLOTS_SINCE:
+        return CheckResult(
+            "slot failover",
+            True,
+            f"PostgreSQL {major} keeps slots on the primary only: after a failover the new "
+            "primary has no slot, and log-setup must make it again (what was not yet read "
+            f"is not on it); PostgreSQL {FAILOVER_SLOTS_SINCE} can sync slots to a standby",
+        )
+    if state["slot_failover"]:
+        return CheckResult(
+            "slot failover",
+            True,
+            "on: a standby with sync_replication_slots keeps the slot (the primary needs "
+            "synchronized_standby_slots to name it)",
+        )
+    return CheckResult(
+        "slot failover",
+        True,
+        "off: the slot stays on this server; a slot made with log-setup --failover is kept "
+        "across one (dropping this one first loses what no relay has read from it yet)",
+    )
+
+
+def _emit_privilege(state: Mapping[str, Any]) -> CheckResult:
+    if not state["public_may_emit"]:
+        return CheckResult(
+            "emit privilege", True, "pg_logical_emit_message is not executable by PUBLIC"
+        )
+    return CheckResult(
+        "emit privilege",
+        False,
+        "pg_logical_emit_message is executable by PUBLIC: any role of this database can put "
+        "events into the log for the relay to publish; run log-setup as a superuser (or "
+        "REVOKE EXECUTE ON FUNCTION pg_logical_emit_message FROM PUBLIC, every signature)",
+    )
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "an unknown amount"
+    if value < _MIB:
+        return f"{max(value, 0) / 1024:.0f} kB"
+    return f"{value / _MIB:,.0f} MB"
