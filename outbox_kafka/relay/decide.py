@@ -596,19 +596,32 @@ def dead_letter_messages(
 
 
 def _copy(discard: Discard, topic: str) -> Message:
-    """The dead-letter copy of a discarded event: as it was, with why and where from."""
-    d = discard
+    """The dead-letter copy of a discarded event."""
+    e = discard.event
+    return dead_letter_copy(topic, e.event_id, e.key, e.topic, e.value, e.headers, discard.reason)
+
+
+def dead_letter_copy(
+    topic: str,
+    event_id: str,
+    key: str,
+    original_topic: str,
+    value: bytes,
+    headers: list[tuple[str, bytes]] | None,
+    reason: str,
+) -> Message:
+    """The dead-letter copy of an event set aside: as it was, with why and where from."""
     return Message(
         topic,
-        d.event.key.encode(),
-        d.event.value,
+        key.encode(),
+        value,
         [
-            *(d.event.headers or []),
-            ("outbox_error", d.reason.encode("utf-8", "replace")[:_MAX_REASON_HEADER]),
-            ("outbox_original_topic", d.event.topic.encode()),
-            ("outbox_event_id", d.event.event_id.encode()),
+            *(headers or []),
+            ("outbox_error", reason.encode("utf-8", "replace")[:_MAX_REASON_HEADER]),
+            ("outbox_original_topic", original_topic.encode()),
+            ("outbox_event_id", event_id.encode()),
         ],
-        d.event.event_id,
+        event_id,
     )
 
 

@@ -20,8 +20,13 @@ its log, its metrics and its readiness; ``drain`` (``relay --drain``) stops at a
 stall instead (:class:`LogStalled`). A relay that stops or dies reads on, when
 started again, from the last acknowledgement. An event Kafka will never take
 (a topic that is never made) stalls the stream until an operator steps in (see
-docs/explanation/log-mode.md). The polling relay's parking and dead-letter topic
-are not part of this mode yet.
+docs/explanation/log-mode.md).
+
+An event Kafka will never take (found by the polling relay's checks before it is
+produced, or refused by Kafka as such) goes to the dead-letter topic, when there is
+one, and the stream goes on; without one, or with a copy too large for it, it stalls
+the stream like any other failure. The polling relay's parking is not part of this
+mode yet.
 """
 
 from __future__ import annotations
@@ -35,19 +40,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg2
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_kafka.database import make_engine
-from outbox_kafka.errors import EventError
 from outbox_kafka.log_frames import FramedEvent
+from outbox_kafka.relay.batch import ClaimedEvent, Verdict
+from outbox_kafka.relay.claim import EventChecks
 from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.decide import dead_letter_copy
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
-from outbox_kafka.relay.send import broker_problem
+from outbox_kafka.relay.ports import Message
+from outbox_kafka.relay.send import broker_problem, classify
 from outbox_kafka.schema.statements import queries_for
-from outbox_kafka.topic_names import check_topic
+from outbox_kafka.stored_headers import message_size
 
 log = logging.getLogger("outbox_kafka.relay.log")
 
@@ -82,6 +90,11 @@ class LogRelayMetrics:
             "outbox_log_strays",
             "Messages of the slot's stream that were not published, by kind",
             ["kind"],
+            registry=self.registry,
+        )
+        self.dead_lettered = Counter(
+            "outbox_log_dead_lettered",
+            "Events Kafka will never take, sent to the dead-letter topic instead",
             registry=self.registry,
         )
         self.stalls = Counter(
@@ -134,7 +147,10 @@ class LogRelay:
         self.settings = settings
         self.metrics = metrics or LogRelayMetrics()
         self.reader = LogReader(settings.database_url, settings.names)
-        self._producer = producer_factory(settings.producer_config())
+        config = settings.producer_config()
+        self._producer = producer_factory(config)
+        #: What is checked of each event before it is produced (as the polling relay does).
+        self._checks = EventChecks(int(config["message.max.bytes"]))
         self._in_flight: deque[_InFlight] = deque()
         #: At most this many events produced and not yet acknowledged.
         self._max_in_flight = max(1, settings.batch_size) * 4
@@ -348,23 +364,19 @@ class LogRelay:
         self._in_flight.append(entry)
         self._events_in_flight += size
         for event in transaction.events:
-            self._produce(event, entry)
+            problem = self._checks.problem(_as_claimed(event), event.key.encode("utf-8"))
+            if problem is None:
+                self._produce(event, entry)
+            else:
+                self._not_taken(event, entry, *problem)
 
     def _produce(self, event: FramedEvent, entry: _InFlight) -> None:
         def report(err: Any, _msg: Any) -> None:
-            entry.remaining -= 1
-            if err is not None:
-                entry.failed = True
-                if self._failure is None:
-                    self._failure = (
-                        f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {err}"
-                    )
+            if err is None:
+                entry.remaining -= 1
+            else:
+                self._not_taken(event, entry, _verdict(err), str(err))
 
-        try:
-            check_topic(event.topic)
-        except EventError as exc:
-            report(f"INVALID_TOPIC: {exc.reason}", None)
-            return
         while True:
             try:
                 self._producer.produce(
@@ -373,6 +385,74 @@ class LogRelay:
                     event.key.encode("utf-8"),
                     headers=event.headers,
                     on_delivery=report,
+                )
+                return
+            except BufferError:
+                self._producer.poll(0.1)
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else exc
+                self._not_taken(event, entry, _verdict(err, reported=False), str(err))
+                return
+
+    def _not_taken(self, event: FramedEvent, entry: _InFlight, verdict: Verdict, why: str) -> None:
+        """An event Kafka did not take, or would not (a check before producing): its
+        dead-letter copy goes out in its place when Kafka never will take it and there is
+        a dead-letter topic; else the stream stalls at it."""
+        entry.remaining -= 1
+        dead_letter = self.settings.dead_letter_topic
+        if verdict == Verdict.PERMANENT and dead_letter and self._failure is None:
+            copy = dead_letter_copy(
+                dead_letter,
+                str(event.event_id),
+                event.key,
+                event.topic,
+                event.value,
+                event.headers,
+                why,
+            )
+            size = message_size(copy.key, copy.value, copy.headers)
+            if size <= self._checks.max_message_bytes:
+                self._dead_letter(event, entry, copy, why)
+                return
+            why += f"; its dead-letter copy ({size} bytes) is too large as well"
+        entry.failed = True
+        if self._failure is None:
+            self._failure = (
+                f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {why}"
+            )
+
+    def _dead_letter(self, event: FramedEvent, entry: _InFlight, copy: Message, why: str) -> None:
+        """Produce the dead-letter ``copy`` of ``event``; its transaction waits for it."""
+        topic = copy.topic
+        entry.remaining += 1
+        log.error(
+            "log relay: an event Kafka will never take goes to the dead-letter topic",
+            extra={
+                "action": "log_dead_lettered",
+                "event_id": str(event.event_id),
+                "key": event.key,
+                "topic": event.topic,
+                "dead_letter_topic": topic,
+                "error": why,
+            },
+        )
+
+        def report(err: Any, _msg: Any) -> None:
+            entry.remaining -= 1
+            if err is None:
+                self.metrics.dead_lettered.inc()
+                return
+            entry.failed = True
+            if self._failure is None:
+                self._failure = (
+                    f"the dead-letter copy of event {event.event_id} (key {event.key!r}, "
+                    f"topic {event.topic!r}: {why}) was not taken by {topic!r}: {err}"
+                )
+
+        while True:
+            try:
+                self._producer.produce(
+                    copy.topic, copy.value, copy.key, headers=copy.headers, on_delivery=report
                 )
                 return
             except BufferError:
@@ -455,3 +535,33 @@ class LogRelay:
                         extra={"action": "log_malformed", "error": strays.malformed_reasons[-1]},
                     )
         self._strays_counted = now
+
+
+def _as_claimed(event: FramedEvent) -> ClaimedEvent:
+    """``event`` as the checks the polling relay makes of a claimed event read it."""
+    try:
+        text: str | None = event.value.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    return ClaimedEvent(
+        str(event.event_id),
+        event.key,
+        0,
+        event.topic,
+        event.type,
+        event.value,
+        event.headers,
+        0,
+        True,
+        0.0,
+        text,
+    )
+
+
+def _verdict(err: Any, *, reported: bool = True) -> Verdict:
+    """What a Kafka error means for the event: PERMANENT when Kafka will never take it."""
+    if isinstance(err, KafkaError):
+        if err.fatal():
+            return Verdict.RESET
+        return classify(err.code(), reported=reported)
+    return Verdict.RETRIABLE

@@ -8,6 +8,7 @@ import math
 import random
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from outbox_kafka.log_frames import FramedEvent, encode_frame
 from outbox_kafka.relay.log_reader import LogReader
 from outbox_kafka.relay.log_relay import LogRelay, LogStalled
 
@@ -153,6 +155,93 @@ def test_an_event_kafka_will_not_take_stops_the_stream_before_it(
         assert keys_and_ns(reader.read(2.0))[0] == [("k", 2)]
     finally:
         reader.close()
+
+
+def _emit_frame(conn: sa.Connection, topic: str, key: str, value: bytes) -> None:
+    """A frame written past the library, straight into the emit function."""
+    frame = encode_frame([FramedEvent(uuid.uuid4(), key, topic, "log.test", [], value)])
+    conn.exec_driver_sql("SELECT outbox_emit(%(frame)s)", {"frame": frame})
+
+
+def test_an_event_kafka_will_never_take_goes_to_the_dead_letter_topic_and_its_key_goes_on(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """Frames written past the library, one whose value is not the envelope of its id
+    and one for a topic name Kafka refuses, are found before they are produced: each
+    goes to the dead-letter topic with why, and its key's later events follow on the
+    topic, nothing stalled."""
+    topic, dead = new_topic(1), new_topic(1)
+    with log_engine.begin() as conn:
+        _emit(conn, topic, "k", 1)
+    with log_engine.begin() as conn:
+        _emit_frame(conn, topic, "k", b'{"not": "an envelope"}')
+        _emit(conn, topic, "k", 3)
+    with log_engine.begin() as conn:
+        _emit_frame(conn, "bad topic name", "k", b"{}")
+        _emit(conn, topic, "k", 5)
+    relay = LogRelay(make_settings(log_url, kafka_bootstrap, dead_letter_topic=dead))
+    relay.open()
+    try:
+        assert relay.drain(idle=0.5, deadline=30.0) == 5
+        assert relay.stalled is None
+        assert relay.metrics.registry.get_sample_value("outbox_log_dead_lettered_total") == 2
+    finally:
+        relay.close()
+    on_topic = consume_all(kafka_bootstrap, topic, 3)
+    assert [r.value["data"]["n"] for r in on_topic] == [1, 3, 5]
+    copies = consume_all(kafka_bootstrap, dead, 2)
+    assert [r.headers["outbox_original_topic"] for r in copies] == [
+        topic.encode(),
+        b"bad topic name",
+    ]
+    assert copies[0].headers["outbox_error"].startswith(b"INVALID_ENVELOPE: ")
+    assert copies[1].headers["outbox_error"].startswith(b"INVALID_TOPIC: ")
+    assert [r.key for r in copies] == ["k", "k"]
+    assert copies[0].raw == b'{"not": "an envelope"}'
+    # Nothing is left to read: all five were acknowledged.
+    reader = LogReader(log_url, NAMES)
+    reader.open()
+    try:
+        assert reader.read(1.0) == []
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("dead_letter", [False, True], ids=["no dead-letter topic", "too large"])
+def test_an_event_that_cannot_be_set_aside_stalls_the_stream(
+    log_engine: sa.Engine,
+    log_url: str,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+    dead_letter: bool,
+) -> None:
+    """Nothing keeps an event of the log but Kafka: with no dead-letter topic, or with a
+    copy too large for it (an event over the relay's message.max.bytes), the stream
+    stops before it rather than lose it."""
+    topic = new_topic(1)
+    with log_engine.begin() as conn:
+        _emit(conn, topic, "k", 1)
+        log_outbox().enqueue(
+            conn, type="log.test", key="k", data={"n": 2, "pad": "x" * 30_000}, topic=topic
+        )
+    settings = make_settings(
+        log_url,
+        kafka_bootstrap,
+        kafka_config={"message.max.bytes": "20000"},
+        dead_letter_topic=new_topic(1) if dead_letter else None,
+    )
+    relay = LogRelay(settings)
+    relay.open()
+    try:
+        with pytest.raises(LogStalled) as stalled:
+            relay.drain(idle=0.5, deadline=30.0)
+        assert relay.published == 0
+    finally:
+        relay.close()
+    message = str(stalled.value)
+    assert "MSG_SIZE_TOO_LARGE: message is " in message
+    assert message.endswith("the stream stops before it, acknowledged up to LSN 0")
+    assert ("dead-letter copy" in message) == dead_letter
 
 
 def test_a_stall_holds_the_stream_until_kafka_takes_the_event_then_goes_on(
