@@ -30,6 +30,7 @@ import dataclasses
 import json
 import multiprocessing
 import multiprocessing.pool
+import os
 import tempfile
 import threading
 import time
@@ -44,6 +45,7 @@ from confluent_kafka import Consumer, TopicPartition
 from outbox_kafka import Outbox, migrate
 from outbox_kafka.database import normalise_url
 from outbox_kafka.demo.embedded import free_port, start_postgres_on_port
+from outbox_kafka.demo.local_stack import LOG_MODE_SETTINGS
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations.log_setup import set_up_log
 
@@ -76,9 +78,6 @@ CATCH_UP_SECONDS = 60.0
 #: The consumer's longest wait in a fetch, ms: short, so that it adds little to either mode.
 FETCH_WAIT_MS = 5
 
-#: Server settings of the embedded server this section starts when the one under
-#: test does not decode its log.
-LOGICAL_SETTINGS = {"wal_level": "logical", "max_replication_slots": "10", "max_wal_senders": "10"}
 
 SQL = {
     "wal_level": "SHOW wal_level",
@@ -91,10 +90,45 @@ SQL = {
 
 MODES = {"tables": "table", "log": "log"}
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class ServerCpu:
+    """CPU seconds (user + system) used so far by a server on this machine: its
+    postmaster and every process it started (backends, WAL writer, checkpointer, ...)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+
+    def seconds(self) -> float:
+        postmaster = int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        total = 0.0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", encoding="ascii") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(entry.name) == postmaster or int(fields[1]) == postmaster:
+                total += (int(fields[11]) + int(fields[12])) / _TICKS
+        return total
+
+
+@dataclass(frozen=True)
+class LogicalServer:
+    """A database URL on a server with ``wal_level = logical``; its CPU when it is ours."""
+
+    url: str
+    label: str
+    cpu: ServerCpu | None
+
 
 @contextlib.contextmanager
-def logical_server(ctx: BenchContext) -> Iterator[tuple[str, str]]:
-    """(URL of a database on a server with ``wal_level = logical``, its label)."""
+def logical_server(ctx: BenchContext) -> Iterator[LogicalServer]:
+    """The server under test if it decodes its log, else an embedded one started with
+    ``wal_level = logical`` for this section."""
     admin = ctx.admin_engine()
     try:
         with admin.connect() as conn:
@@ -102,16 +136,18 @@ def logical_server(ctx: BenchContext) -> Iterator[tuple[str, str]]:
     finally:
         admin.dispose()
     if level == "logical":
-        yield ctx.server_url, ctx.database_label
+        yield LogicalServer(ctx.server_url, ctx.database_label, None)
         return
     with tempfile.TemporaryDirectory(prefix="outbox-kafka-bench-log-") as base:
         ctx.log(f"{NAME}: the server's wal_level is {level}; starting an embedded one with logical")
-        pg = start_postgres_on_port(Path(base) / "pgdata", free_port(), LOGICAL_SETTINGS)
+        data_dir = Path(base) / "pgdata"
+        pg = start_postgres_on_port(data_dir, free_port(), LOG_MODE_SETTINGS)
         try:
-            yield (
+            yield LogicalServer(
                 normalise_url(pg.url),
                 f"embedded PostgreSQL started for this section with wal_level = logical "
                 f"(the server under test has {level})",
+                ServerCpu(data_dir),
             )
         finally:
             pg.stop()
@@ -149,7 +185,9 @@ def advance_slot(engine: sa.Engine, names: TableNames) -> None:
 # -- writers ---------------------------------------------------------------------------------
 
 
-def measure_writers(ctx: BenchContext, url: str, names: TableNames) -> list[Result]:
+def measure_writers(
+    ctx: BenchContext, url: str, names: TableNames, server_cpu: ServerCpu | None
+) -> list[Result]:
     tables = Outbox(schema_dir=SCHEMA_DIR, routes=ROUTES)
     log = Outbox(schema_dir=SCHEMA_DIR, routes=ROUTES, write_to="log")
     writer_counts = QUICK_WRITERS if ctx.quick else WRITERS
@@ -174,12 +212,24 @@ def measure_writers(ctx: BenchContext, url: str, names: TableNames) -> list[Resu
             "enqueue (tables)": bench.enqueue,
             "enqueue (log)": enqueue_log,
         }
+        server: dict[str, list[float]] = {name: [] for name in measurements}
+        if server_cpu is not None:
+            measurements = {
+                name: with_server_cpu(measure, server_cpu, server[name])
+                for name, measure in measurements.items()
+            }
         for writers in writer_counts:
             for keys in KEY_SHAPES:
                 n = max(writers, count - count % writers)
                 ctx.log(f"{NAME}: {keys:,} key(s), {writers} writers, {n:,} transactions")
+                for values in server.values():
+                    values.clear()
                 samples = bench.measure(keys, writers, n, measurements)
                 results += writer_results(samples, keys, writers)
+                if server_cpu is not None:
+                    # The first call of each is its untimed warm-up.
+                    timed = {name: values[1:] for name, values in server.items()}
+                    results += server_results(timed, keys, writers)
         advance_slot(engine, names)
     finally:
         engine.dispose()
@@ -202,6 +252,41 @@ def writer_results(samples: dict[str, list[float]], keys: int, writers: int) -> 
             writers,
             target=THROUGHPUT_TARGETS[keys] if name == "enqueue (log)" else None,
         )
+
+
+def with_server_cpu(
+    measure: Callable[[list[list[Item]]], float], cpu: ServerCpu, into: list[float]
+) -> Callable[[list[list[Item]]], float]:
+    """``measure``, appending the server's CPU seconds per transaction of each call to
+    ``into``."""
+
+    def measured(plan: list[list[Item]]) -> float:
+        before = cpu.seconds()
+        per_transaction = measure(plan)
+        into.append((cpu.seconds() - before) / sum(len(items) for items in plan))
+        return per_transaction
+
+    return measured
+
+
+def server_results(used: dict[str, list[float]], keys: int, writers: int) -> Iterator[Result]:
+    for name, values in used.items():
+        yield Result(
+            NAME,
+            f"{name}: server CPU per transaction",
+            "µs",
+            tuple(v * 1e6 for v in values),
+            keys,
+            writers,
+        )
+    yield Result(
+        NAME,
+        "enqueue (log) ÷ plain INSERT: server CPU per transaction",
+        "x",
+        paired_ratios(used["enqueue (log)"], used["plain INSERT"]),
+        keys,
+        writers,
+    )
 
 
 # -- latency ---------------------------------------------------------------------------------
@@ -408,10 +493,11 @@ def run(ctx: BenchContext) -> list[Result]:
     names = TableNames()
     seconds = QUICK_SECONDS if ctx.quick else SECONDS
     results: list[Result] = []
-    with logical_server(ctx) as (server_url, label):
-        here = dataclasses.replace(ctx, server_url=server_url, database_label=label)
+    with logical_server(ctx) as server:
+        label = server.label
+        here = dataclasses.replace(ctx, server_url=server.url, database_label=label)
         with log_database(here, names) as url:
-            results += measure_writers(here, url, names)
+            results += measure_writers(here, url, names, server.cpu)
             bench = LatencyBench(here, Kafka(ctx.bootstrap_servers), url)
             results += latency_results(bench.measure())
     ctx.notes += [

@@ -42,6 +42,7 @@ def _cmd_dev(args: argparse.Namespace) -> int:
         postgres_port=args.postgres_port,
         kafka_port=args.kafka_port,
         migrate=args.migrate,
+        log_mode=args.log_mode,
     )
     if args.print_env:
         if not (settings.postgres_port and settings.kafka_port):
@@ -126,6 +127,12 @@ def add_dev_parser(sub: Any) -> None:
         "--migrate",
         action="store_true",
         help="create the outbox tables (as outbox-kafka migrate does) once started",
+    )
+    p.add_argument(
+        "--log-mode",
+        action="store_true",
+        help="start PostgreSQL with wal_level = logical, for the log mode "
+        "(Outbox(write_to='log'), relay --source log)",
     )
     add_option(
         p,

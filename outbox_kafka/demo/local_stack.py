@@ -47,6 +47,11 @@ def default_data_dir() -> Path:
     return Path(cache) / "outbox-kafka" / "dev"
 
 
+#: PostgreSQL's settings under ``dev --log-mode``: logical decoding, with room for a
+#: few slots and readers.
+LOG_MODE_SETTINGS = {"wal_level": "logical", "max_replication_slots": "10", "max_wal_senders": "10"}
+
+
 @dataclass(frozen=True)
 class StackSettings:
     """Where the stack keeps its data and which loopback ports it listens on (0: any free)."""
@@ -55,6 +60,8 @@ class StackSettings:
     postgres_port: int = DEFAULT_POSTGRES_PORT
     kafka_port: int = DEFAULT_KAFKA_PORT
     migrate: bool = False
+    #: Start PostgreSQL with ``wal_level = logical``, for the log mode.
+    log_mode: bool = False
 
     def __post_init__(self) -> None:
         for name, port in (("PostgreSQL", self.postgres_port), ("broker", self.kafka_port)):
@@ -131,7 +138,9 @@ def start_local_stack(settings: StackSettings) -> LocalStack:
             f"port {kafka_port} on 127.0.0.1 is taken; choose another broker port "
             "(--kafka-port, 0: any free one)"
         )
-    postgres = start_postgres_on_port(data_dir / "postgres", postgres_port)
+    postgres = start_postgres_on_port(
+        data_dir / "postgres", postgres_port, LOG_MODE_SETTINGS if settings.log_mode else None
+    )
     broker: EmbeddedBroker | None = None
     try:
         logs = data_dir / "logs"

@@ -82,13 +82,16 @@ def test_dev_serves_both_until_a_signal_then_stops_them(
     assert port_is_free(pg_port) and port_is_free(kafka_port)
 
 
-def test_dev_keeps_its_data_and_its_ports_between_runs(tmp_path: Path) -> None:
+def test_dev_keeps_its_data_and_its_ports_between_runs_and_starts_for_the_log_mode(
+    tmp_path: Path,
+) -> None:
     pg_port, kafka_port = free_port(), free_port()
     ports = ["--postgres-port", str(pg_port), "--kafka-port", str(kafka_port)]
     first, exports = _start(tmp_path, *ports)
     engine = make_engine(exports["OUTBOX_DATABASE_URL"], poolclass=sa.NullPool)
     with engine.begin() as conn:
         conn.execute(sa.text("CREATE TABLE kept (id int)"))
+        assert conn.execute(sa.text("SHOW wal_level")).scalar() == "replica"
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
     (tmp_path / "stack.env").unlink()
@@ -98,11 +101,13 @@ def test_dev_keeps_its_data_and_its_ports_between_runs(tmp_path: Path) -> None:
     )
     assert printed.stdout == "".join(f"export {k}={v}\n" for k, v in exports.items())
 
-    second, again = _start(tmp_path, *ports)
+    # Started again for the log mode: the same data, decoded.
+    second, again = _start(tmp_path, *ports, "--log-mode")
     try:
         assert again == exports
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM kept")).scalar() == 0
+            assert conn.execute(sa.text("SHOW wal_level")).scalar() == "logical"
         engine.dispose()
     finally:
         second.send_signal(signal.SIGTERM)

@@ -205,3 +205,17 @@ def test_check_reports_what_the_log_mode_needs(log_url: str, kafka_bootstrap: st
     # The test database is set up without log-setup's revoke: only that line fails.
     assert [name for name, (ok, _) in lines.items() if not ok] == ["emit privilege"]
     assert done.returncode == 1, done.stderr
+
+
+def test_it_refuses_create_topics_which_it_would_not_do(log_url: str, kafka_bootstrap: str) -> None:
+    done = subprocess.run(
+        _args(log_url, kafka_bootstrap, "--drain", "--create-topics", "1"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "relay: error: --source log creates no topic" in done.stderr

@@ -37,6 +37,9 @@ class PageCounts:
 
 COUNTS: list[PageCounts] = []
 
+#: Pages that run on a server with ``wal_level = logical`` (``outbox-kafka dev --log-mode``).
+LOG_MODE_PAGES = {"log-mode"}
+
 
 @pytest.fixture(scope="session")
 def docs_stack(request: pytest.FixtureRequest) -> Iterator[DocsStack]:
@@ -62,19 +65,25 @@ def docs_stack(request: pytest.FixtureRequest) -> Iterator[DocsStack]:
 
 
 @pytest.fixture
-def page_database(docs_stack: DocsStack) -> Iterator[str]:
-    """A fresh, empty database for one page (libpq URL, as `outbox-kafka dev` prints).
+def page_database(docs_stack: DocsStack, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, empty database for one page (libpq URL, as `outbox-kafka dev` prints),
+    on a server with ``wal_level = logical`` for the log mode's pages.
 
     Databases the page creates beside it, named after it (``<name>_tenants``), are
-    dropped with it.
+    dropped with it, and replication slots left in them first.
     """
-    name = f"docs_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(
-        docs_stack.admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
+    page = getattr(request.node, "callspec", None)
+    stem = page.params["page"].stem if page is not None and "page" in page.params else ""
+    admin_url = (
+        request.getfixturevalue("logical_server_url")
+        if stem in LOG_MODE_PAGES
+        else docs_stack.admin_url
     )
+    name = f"docs_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = make_url(docs_stack.admin_url).set(drivername="postgresql", database=name)
+    url = make_url(admin_url).set(drivername="postgresql", database=name)
     yield url.render_as_string(hide_password=False)
     with admin.connect() as conn:
         beside = conn.execute(
@@ -82,6 +91,11 @@ def page_database(docs_stack: DocsStack) -> Iterator[str]:
             {"prefix": f"{name}_"},
         ).scalars()
         for database in [name, *beside]:
+            conn.exec_driver_sql(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                "WHERE database = %(database)s AND NOT active",
+                {"database": database},
+            )
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
     admin.dispose()
 

@@ -35,6 +35,7 @@ PAGES = [
         "operating",
         "security",
         "several-outboxes",
+        "log-mode",
     )
 ]
 PAGES.append(DOCS / "quickstart.md")  # the quickstart, at the top of docs/
