@@ -48,6 +48,19 @@ def _args(log_url: str, bootstrap: str, *extra: str) -> list[str]:
     ]
 
 
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run an ``outbox-kafka`` command line to its end, output captured."""
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+    )
+
+
 def _emit(engine: sa.Engine, topic: str, key: str, first: int, last: int) -> None:
     outbox = log_outbox()
     for n in range(first, last + 1):
@@ -60,15 +73,7 @@ def test_drain_publishes_what_committed_and_exits_0(
 ) -> None:
     topic = new_topic(2)
     _emit(log_engine, topic, "k", 1, 25)
-    done = subprocess.run(
-        _args(log_url, kafka_bootstrap, "--drain", "--drain-timeout", "60"),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-        cwd=REPO,
-        check=False,
-    )
+    done = _run(_args(log_url, kafka_bootstrap, "--drain", "--drain-timeout", "60"), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "published 25 events from the log" in done.stdout
     records = consume_all(kafka_bootstrap, topic, 25)
@@ -164,18 +169,7 @@ def test_a_second_relay_waits_then_takes_over_when_the_first_is_killed(
 
 def test_log_setup_says_what_it_made(logical_server_url: str) -> None:
     with log_database(logical_server_url, set_up=False) as url:
-        runs = [
-            subprocess.run(
-                [CLI, "log-setup", "--database-url", url],
-                capture_output=True,
-                text=True,
-                env=_env(),
-                timeout=60,
-                cwd=REPO,
-                check=False,
-            )
-            for _ in range(2)
-        ]
+        runs = [_run([CLI, "log-setup", "--database-url", url], timeout=60) for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     assert runs[0].stdout.splitlines() == [
         "publication outbox_kafka_6_public_outbox: created",
@@ -189,15 +183,7 @@ def test_log_setup_says_what_it_made(logical_server_url: str) -> None:
 def test_check_reports_what_the_log_mode_needs(log_url: str, kafka_bootstrap: str) -> None:
     args = ["check", "--source", "log", "--database-url", log_url]
     args += ["--bootstrap-servers", kafka_bootstrap, "--check-timeout", "5"]
-    done = subprocess.run(
-        [CLI, *args, "--json"],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=60,
-        cwd=REPO,
-        check=False,
-    )
+    done = _run([CLI, *args, "--json"], timeout=60)
     lines = {c["name"]: (c["ok"], c["detail"]) for c in json.loads(done.stdout)["checks"]}
     names = list(lines)
     after = names.index("migrations") + 1
@@ -208,14 +194,6 @@ def test_check_reports_what_the_log_mode_needs(log_url: str, kafka_bootstrap: st
 
 
 def test_it_refuses_create_topics_which_it_would_not_do(log_url: str, kafka_bootstrap: str) -> None:
-    done = subprocess.run(
-        _args(log_url, kafka_bootstrap, "--drain", "--create-topics", "1"),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=60,
-        cwd=REPO,
-        check=False,
-    )
+    done = _run(_args(log_url, kafka_bootstrap, "--drain", "--create-topics", "1"), timeout=60)
     assert done.returncode == 2, done.stderr
     assert "relay: error: --source log creates no topic" in done.stderr
