@@ -222,27 +222,34 @@ CREATE OR REPLACE FUNCTION public.outbox_emit(p_frame bytea)
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+DECLARE
+    checked_at text := current_setting('outbox_kafka.' || 'outbox_kafka_6_public_outbox', true);
+    now_s double precision := extract(epoch FROM clock_timestamp());
 BEGIN
     IF p_frame IS NULL OR length(p_frame) = 0 OR get_byte(p_frame, 0) <> 1 THEN
         RAISE EXCEPTION 'outbox log mode: not an event frame of version 1'
               USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF current_setting('wal_level') <> 'logical' THEN
-        RAISE EXCEPTION 'outbox log mode: wal_level is %, not logical',
-                        current_setting('wal_level')
-              USING ERRCODE = 'object_not_in_prerequisite_state',
-                    HINT = 'Set wal_level = logical and restart the server.';
-    END IF;
-    IF NOT EXISTS (
-        SELECT 1 FROM pg_replication_slots
-        WHERE slot_name = 'outbox_kafka_6_public_outbox'
-          AND database = current_database()
-          AND wal_status IS DISTINCT FROM 'lost'
-    ) THEN
-        RAISE EXCEPTION 'outbox log mode: no usable replication slot %', 'outbox_kafka_6_public_outbox'
-              USING ERRCODE = 'object_not_in_prerequisite_state',
-                    HINT = 'Make it with outbox-kafka log-setup. A lost slot must be dropped '
-                           'first, and the events it held are gone.';
+    IF checked_at IS NULL OR checked_at = ''
+       OR NOT (now_s - checked_at::double precision BETWEEN 0 AND 1) THEN
+        IF current_setting('wal_level') <> 'logical' THEN
+            RAISE EXCEPTION 'outbox log mode: wal_level is %, not logical',
+                            current_setting('wal_level')
+                  USING ERRCODE = 'object_not_in_prerequisite_state',
+                        HINT = 'Set wal_level = logical and restart the server.';
+        END IF;
+        IF NOT EXISTS (
+            SELECT 1 FROM pg_replication_slots
+            WHERE slot_name = 'outbox_kafka_6_public_outbox'
+              AND database = current_database()
+              AND wal_status IS DISTINCT FROM 'lost'
+        ) THEN
+            RAISE EXCEPTION 'outbox log mode: no usable replication slot %', 'outbox_kafka_6_public_outbox'
+                  USING ERRCODE = 'object_not_in_prerequisite_state',
+                        HINT = 'Make it with outbox-kafka log-setup. A lost slot must be '
+                               'dropped first, and the events it held are gone.';
+        END IF;
+        PERFORM set_config('outbox_kafka.' || 'outbox_kafka_6_public_outbox', now_s::text, false);
     END IF;
     PERFORM pg_logical_emit_message(true, 'outbox-kafka:public.outbox', p_frame);
 END
@@ -257,4 +264,5 @@ INSERT INTO "public"."outbox_migrations" (version, name) VALUES
     (4, 'drop_pending_index'),
     (5, 'producer_functions'),
     (6, 'exactly_once'),
-    (7, 'log_messages');
+    (7, 'log_messages'),
+    (8, 'emit_slot_check');

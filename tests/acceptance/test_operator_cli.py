@@ -429,7 +429,7 @@ def test_check_passes_on_a_good_set_up(url: str, kafka_bootstrap: str) -> None:
     assert list(lines) == ["settings", "schemas", "database", "migrations", "kafka", "message size"]
     assert all(line.startswith("OK ") for line in text.strip().splitlines()), text
     assert "3 event types" in lines["schemas"][1]
-    assert "version 7 (current)" in lines["migrations"][1]
+    assert "version 8 (current)" in lines["migrations"][1]
     assert kafka_bootstrap in lines["kafka"][1]
     assert SECRET not in text and "***" in lines["database"][1]
 
@@ -627,7 +627,7 @@ def test_operator_commands_on_a_custom_table(url: str, kafka_bootstrap: str) -> 
         OUTBOX_TABLE="ops_outbox",
         OUTBOX_DB_SCHEMA="ops",
     )
-    assert lines["migrations"] == (True, "ops.ops_outbox is at version 7 (current)")
+    assert lines["migrations"] == (True, "ops.ops_outbox is at version 8 (current)")
     assert code == 0
     result = run_cli("stats", "--table", "missing_outbox", OUTBOX_DATABASE_URL=url)
     assert result.returncode == 2

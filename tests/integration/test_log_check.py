@@ -173,11 +173,15 @@ def test_a_lost_slot_fails_check_and_producers(lost_slot_engine: sa.Engine) -> N
         f"(SELECT pg_drop_replication_slot('{NAMES.log_slot}')) and made again with "
         "log-setup",
     )
+    # A session of its own: one that checked the slot within the last second
+    # does not look again until the second is over.
+    fresh = sa.create_engine(engine.url, poolclass=sa.NullPool)
     with (
         pytest.raises(sa.exc.DBAPIError, match="no usable replication slot"),
-        engine.begin() as conn,
+        fresh.begin() as conn,
     ):
         emit(log_outbox(), conn, "k", 2)
+    fresh.dispose()
     with pytest.raises(ConfigurationError, match="is lost"):
         set_up_log(engine, NAMES)
 

@@ -5,6 +5,7 @@ or a savepoint that rolled back."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -12,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox_kafka import Event, Outbox
+from outbox_kafka.database import make_engine
 from outbox_kafka.errors import ConfigurationError, EventError
 from outbox_kafka.producer.writing import OutboxWriter
 
@@ -110,6 +112,28 @@ def test_without_the_slot_the_write_fails(log_engine: sa.Engine) -> None:
         pytest.raises(sa.exc.DBAPIError, match=f"no usable replication slot {NAMES.log_slot}"),
     ):
         emit(log_outbox(), conn, "a", 1)
+
+
+def test_a_session_sees_a_dropped_slot_within_a_second(log_url: str) -> None:
+    """The emit function checks the slot once a second per session: a session that
+    never checked refuses at once, one that just did within a second."""
+    writer = make_engine(log_url, pool_size=1)
+    other = make_engine(log_url, poolclass=sa.NullPool)
+    outbox = log_outbox()
+    refused = pytest.raises(sa.exc.DBAPIError, match=f"no usable replication slot {NAMES.log_slot}")
+    try:
+        with writer.begin() as conn:
+            emit(outbox, conn, "a", 1)  # checks the slot, in the writer's one session
+        with other.begin() as conn:
+            conn.exec_driver_sql("SELECT pg_drop_replication_slot(%(s)s)", {"s": NAMES.log_slot})
+        with other.begin() as conn, refused:
+            emit(outbox, conn, "a", 2)
+        time.sleep(1.1)
+        with writer.begin() as conn, refused:
+            emit(outbox, conn, "a", 3)
+    finally:
+        writer.dispose()
+        other.dispose()
 
 
 def test_below_wal_level_logical_the_write_fails(engine: sa.Engine) -> None:
