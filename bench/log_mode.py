@@ -212,24 +212,24 @@ def measure_writers(
             "enqueue (tables)": bench.enqueue,
             "enqueue (log)": enqueue_log,
         }
-        server: dict[str, list[float]] = {name: [] for name in measurements}
-        if server_cpu is not None:
-            measurements = {
-                name: with_server_cpu(measure, server_cpu, server[name])
-                for name, measure in measurements.items()
-            }
+        #: By measurement: CPU seconds per transaction of each call, by side.
+        used: dict[str, dict[str, list[float]]] = {
+            name: {"writers": [], "server": []} for name in measurements
+        }
+        measurements = {
+            name: with_cpu(measure, server_cpu, used[name])
+            for name, measure in measurements.items()
+        }
         for writers in writer_counts:
             for keys in KEY_SHAPES:
                 n = max(writers, count - count % writers)
                 ctx.log(f"{NAME}: {keys:,} key(s), {writers} writers, {n:,} transactions")
-                for values in server.values():
-                    values.clear()
+                for sides in used.values():
+                    for values in sides.values():
+                        values.clear()
                 samples = bench.measure(keys, writers, n, measurements)
                 results += writer_results(samples, keys, writers)
-                if server_cpu is not None:
-                    # The first call of each is its untimed warm-up.
-                    timed = {name: values[1:] for name, values in server.items()}
-                    results += server_results(timed, keys, writers)
+                results += cpu_results(used, keys, writers)
         advance_slot(engine, names)
     finally:
         engine.dispose()
@@ -254,39 +254,54 @@ def writer_results(samples: dict[str, list[float]], keys: int, writers: int) -> 
         )
 
 
-def with_server_cpu(
-    measure: Callable[[list[list[Item]]], float], cpu: ServerCpu, into: list[float]
+def with_cpu(
+    measure: Callable[[list[list[Item]]], float],
+    server: ServerCpu | None,
+    into: dict[str, list[float]],
 ) -> Callable[[list[list[Item]]], float]:
-    """``measure``, appending the server's CPU seconds per transaction of each call to
-    ``into``."""
+    """``measure``, appending to ``into`` the CPU seconds per transaction of each call:
+    the writers' (this process: its threads are the writers) and, when it runs here,
+    the server's."""
 
     def measured(plan: list[list[Item]]) -> float:
-        before = cpu.seconds()
+        server_before = 0.0 if server is None else server.seconds()
+        writers_before = time.process_time()
         per_transaction = measure(plan)
-        into.append((cpu.seconds() - before) / sum(len(items) for items in plan))
+        count = sum(len(items) for items in plan)
+        into["writers"].append((time.process_time() - writers_before) / count)
+        if server is not None:
+            into["server"].append((server.seconds() - server_before) / count)
         return per_transaction
 
     return measured
 
 
-def server_results(used: dict[str, list[float]], keys: int, writers: int) -> Iterator[Result]:
-    for name, values in used.items():
+def cpu_results(
+    used: dict[str, dict[str, list[float]]], keys: int, writers: int
+) -> Iterator[Result]:
+    """The CPU figures of one shape; the first call of each measurement is its untimed
+    warm-up."""
+    for side, label in (("writers", "writers' CPU"), ("server", "server CPU")):
+        timed = {name: sides[side][1:] for name, sides in used.items()}
+        if not timed["plain INSERT"]:
+            continue  # the server is not on this machine
+        for name, values in timed.items():
+            yield Result(
+                NAME,
+                f"{name}: {label} per transaction",
+                "µs",
+                tuple(v * 1e6 for v in values),
+                keys,
+                writers,
+            )
         yield Result(
             NAME,
-            f"{name}: server CPU per transaction",
-            "µs",
-            tuple(v * 1e6 for v in values),
+            f"enqueue (log) ÷ plain INSERT: {label} per transaction",
+            "x",
+            paired_ratios(timed["enqueue (log)"], timed["plain INSERT"]),
             keys,
             writers,
         )
-    yield Result(
-        NAME,
-        "enqueue (log) ÷ plain INSERT: server CPU per transaction",
-        "x",
-        paired_ratios(used["enqueue (log)"], used["plain INSERT"]),
-        keys,
-        writers,
-    )
 
 
 # -- latency ---------------------------------------------------------------------------------
