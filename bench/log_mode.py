@@ -12,7 +12,10 @@ outbox's tables, the publication and the slot (as ``log-setup`` makes them).
   over 1,000 keys and on one hot key. No relay runs meanwhile (as in the
   business section); the slot is moved past what they wrote afterwards. The
   targets: the log mode's transactions/s at least 0.85 times the plain
-  INSERT's over 1,000 keys, 0.80 times on one hot key.
+  INSERT's over 1,000 keys, 0.80 times on one hot key. Beside them, the CPU
+  each transaction cost the writers (this process, whose threads they are)
+  and, when the section started the server itself, the server (its processes'
+  CPU from ``/proc``).
 * **Latency.** At 1,000 events/s, as in :mod:`bench.latency` (the same writer
   processes and schedule over 1,000 keys), once with ``outbox-kafka relay``
   and the tables, once with ``outbox-kafka relay --source log`` and the log,
@@ -20,7 +23,10 @@ outbox's tables, the publication and the slot (as ``log-setup`` makes them).
   the relay: from the moment the writer's commit returned to the moment a
   consumer of the topic (polling every few milliseconds, from offset 0) got the
   message. That is commit-to-ack plus the consumer's fetch, which both modes
-  share. The target: the log mode's p99 no worse than the tables'.
+  share. The target: the log mode's p99 no worse than the tables'. The same
+  for commit-to-produced: the message's CreateTime, which the relay's
+  producer sets when it takes the event (commit-to-ack without the wait for
+  the acknowledgement).
 """
 
 from __future__ import annotations
