@@ -236,13 +236,18 @@ def _cmd_log_relay(args: argparse.Namespace, stopping: _StopSignals) -> int:
             return 0
         try:
             relay.open()
-            published = relay.drain(idle=1.0, deadline=args.drain_timeout)
+            relay.drain(idle=1.0, deadline=args.drain_timeout)
         except LogStalled as exc:
             print(f"stalled after {relay.published} events: {exc}")
             return EXIT_WORK_LEFT
         finally:
             relay.close(settings.shutdown_timeout)
-        print(f"published {published} events from the log")
+        aside = (
+            f", {relay.dead_lettered} set aside to the dead-letter topic"
+            if relay.dead_lettered
+            else ""
+        )
+        print(f"published {relay.published} events from the log{aside}")
         return 0
 
     try:

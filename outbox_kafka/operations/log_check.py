@@ -72,8 +72,9 @@ def _replication_role(state: Mapping[str, Any]) -> CheckResult:
     return CheckResult(
         "replication role",
         False,
-        "this role has neither REPLICATION nor superuser: the relay cannot read the slot "
-        "(ALTER ROLE ... REPLICATION, or the provider's equivalent)",
+        "this role has neither REPLICATION nor superuser (nor RDS's rds_replication): the "
+        "relay cannot read the slot (ALTER ROLE ... REPLICATION, or the provider's "
+        "equivalent)",
     )
 
 

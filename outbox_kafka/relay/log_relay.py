@@ -18,15 +18,16 @@ Kafka takes it. Events after it that had reached Kafka are sent again, after it
 known stays ahead of it on the topic. The relay says so in
 its log, its metrics and its readiness; ``drain`` (``relay --drain``) stops at a
 stall instead (:class:`LogStalled`). A relay that stops or dies reads on, when
-started again, from the last acknowledgement. An event Kafka will never take
-(a topic that is never made) stalls the stream until an operator steps in (see
+started again, from the last acknowledgement. An event for a topic that is
+never made stalls the stream until an operator steps in (see
 docs/explanation/log-mode.md).
 
 An event Kafka will never take (found by the polling relay's checks before it is
-produced, or refused by Kafka as such) goes to the dead-letter topic, when there is
-one, and the stream goes on; without one, or with a copy too large for it, it stalls
-the stream like any other failure. The polling relay's parking is not part of this
-mode yet.
+produced, or refused alone by the producer as such) goes to the dead-letter topic,
+when there is one, and the stream goes on; without one, or with a copy too large
+for it, it stalls the stream like any other failure. The copies are produced by
+the loop, never from a delivery report. The polling relay's parking is not part
+of this mode yet.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class _InFlight:
     remaining: int
     #: The delivery of one of its events failed.
     failed: bool = False
+    #: Of its events, those whose dead-letter copy was delivered in their place.
+    dead_lettered: int = 0
+    #: Left behind by a restart: reports on it are ignored.
+    abandoned: bool = False
 
 
 class LogRelayMetrics:
@@ -152,6 +157,9 @@ class LogRelay:
         #: What is checked of each event before it is produced (as the polling relay does).
         self._checks = EventChecks(int(config["message.max.bytes"]))
         self._in_flight: deque[_InFlight] = deque()
+        #: Dead-letter copies to produce (never from a delivery report: produce() and
+        #: poll() may not be called there), each with its transaction.
+        self._copies: list[tuple[Message, _InFlight, FramedEvent, str]] = []
         #: At most this many events produced and not yet acknowledged.
         self._max_in_flight = max(1, settings.batch_size) * 4
         self._events_in_flight = 0
@@ -161,6 +169,8 @@ class LogRelay:
         self._purged = False
         #: Events delivered and acknowledged since the relay started.
         self.published = 0
+        #: Events whose dead-letter copy was delivered and acknowledged in their place.
+        self.dead_lettered = 0
         #: Why the stream is stalled (an event Kafka did not take), or None.
         self.stalled: str | None = None
         self._retry_at = 0.0
@@ -255,6 +265,7 @@ class LogRelay:
             self._producer.purge(in_queue=True, in_flight=False, blocking=False)
             self._purged = True
         self._producer.poll(0.05 if self._in_flight else 0)
+        self._produce_copies()
         done = self._acknowledge()
         if self._failure is not None:
             if all(entry.remaining <= 0 for entry in self._in_flight):
@@ -291,6 +302,7 @@ class LogRelay:
             deadline = time.monotonic() + timeout
             while self._in_flight and self._reading and time.monotonic() < deadline:
                 self._producer.poll(0.05)
+                self._produce_copies()
                 self._acknowledge()
                 if self._in_flight and self._in_flight[0].failed:
                     break
@@ -369,9 +381,12 @@ class LogRelay:
                 self._produce(event, entry)
             else:
                 self._not_taken(event, entry, *problem)
+        self._produce_copies()
 
     def _produce(self, event: FramedEvent, entry: _InFlight) -> None:
         def report(err: Any, _msg: Any) -> None:
+            if entry.abandoned:
+                return
             if err is None:
                 entry.remaining -= 1
             else:
@@ -397,8 +412,10 @@ class LogRelay:
     def _not_taken(self, event: FramedEvent, entry: _InFlight, verdict: Verdict, why: str) -> None:
         """An event Kafka did not take, or would not (a check before producing): its
         dead-letter copy goes out in its place when Kafka never will take it and there is
-        a dead-letter topic; else the stream stalls at it."""
-        entry.remaining -= 1
+        a dead-letter topic; else the stream stalls at it. Called from delivery reports:
+        the copy is only queued here."""
+        if entry.abandoned:
+            return
         dead_letter = self.settings.dead_letter_topic
         if verdict == Verdict.PERMANENT and dead_letter and self._failure is None:
             copy = dead_letter_copy(
@@ -412,19 +429,28 @@ class LogRelay:
             )
             size = message_size(copy.key, copy.value, copy.headers)
             if size <= self._checks.max_message_bytes:
-                self._dead_letter(event, entry, copy, why)
+                # The transaction waits for the copy in the event's place.
+                self._copies.append((copy, entry, event, why))
                 return
             why += f"; its dead-letter copy ({size} bytes) is too large as well"
-        entry.failed = True
         if self._failure is None:
             self._failure = (
                 f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {why}"
             )
+        entry.failed = True
+        entry.remaining -= 1
 
-    def _dead_letter(self, event: FramedEvent, entry: _InFlight, copy: Message, why: str) -> None:
-        """Produce the dead-letter ``copy`` of ``event``; its transaction waits for it."""
+    def _produce_copies(self) -> None:
+        """Produce the dead-letter copies queued; each is its event's report."""
+        copies, self._copies = self._copies, []
+        for copy, entry, event, why in copies:
+            if not entry.abandoned:
+                self._dead_letter(copy, entry, event, why)
+
+    def _dead_letter(self, copy: Message, entry: _InFlight, event: FramedEvent, why: str) -> None:
+        """Produce ``copy``, the dead-letter copy of ``event``: its delivery is the
+        event's report."""
         topic = copy.topic
-        entry.remaining += 1
         log.error(
             "log relay: an event Kafka will never take goes to the dead-letter topic",
             extra={
@@ -438,16 +464,18 @@ class LogRelay:
         )
 
         def report(err: Any, _msg: Any) -> None:
-            entry.remaining -= 1
-            if err is None:
-                self.metrics.dead_lettered.inc()
+            if entry.abandoned:
                 return
-            entry.failed = True
-            if self._failure is None:
-                self._failure = (
-                    f"the dead-letter copy of event {event.event_id} (key {event.key!r}, "
-                    f"topic {event.topic!r}: {why}) was not taken by {topic!r}: {err}"
-                )
+            if err is None:
+                entry.dead_lettered += 1
+            else:
+                entry.failed = True
+                if self._failure is None:
+                    self._failure = (
+                        f"the dead-letter copy of event {event.event_id} (key {event.key!r}, "
+                        f"topic {event.topic!r}: {why}) was not taken by {topic!r}: {err}"
+                    )
+            entry.remaining -= 1
 
         while True:
             try:
@@ -464,6 +492,7 @@ class LogRelay:
     def _acknowledge(self) -> int:
         """Acknowledge the transactions at the front whose events are all delivered."""
         done = 0
+        set_aside = 0
         last: int | None = None
         while self._in_flight and self._in_flight[0].remaining <= 0:
             head = self._in_flight[0]
@@ -472,11 +501,14 @@ class LogRelay:
             self._in_flight.popleft()
             self._events_in_flight -= head.size
             done += head.size
+            set_aside += head.dead_lettered
             last = head.end_lsn
         if last is not None:
             self.reader.acknowledge(last)
-            self.published += done
-            self.metrics.published.inc(done)
+            self.published += done - set_aside
+            self.dead_lettered += set_aside
+            self.metrics.published.inc(done - set_aside)
+            self.metrics.dead_lettered.inc(set_aside)
             self.metrics.acknowledged.set(self.reader.acknowledged)
             if self.stalled is not None and self._failure is None:
                 self._unstall()
@@ -514,7 +546,10 @@ class LogRelay:
         the last acknowledgement)."""
         self.reader.close()
         self._reading = False
+        for entry in self._in_flight:
+            entry.abandoned = True  # their late reports change nothing now
         self._in_flight.clear()
+        self._copies.clear()
         self._events_in_flight = 0
         self._failure = None
         self._purged = False

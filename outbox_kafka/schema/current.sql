@@ -230,7 +230,7 @@ BEGIN
         RAISE EXCEPTION 'outbox log mode: not an event frame of version 1'
               USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF checked_at IS NULL OR checked_at = ''
+    IF checked_at IS NULL OR checked_at !~ '^[0-9]+(\.[0-9]+)?$'
        OR NOT (now_s - checked_at::double precision BETWEEN 0 AND 1) THEN
         IF current_setting('wal_level') <> 'logical' THEN
             RAISE EXCEPTION 'outbox log mode: wal_level is %, not logical',

@@ -96,8 +96,9 @@ def test_a_role_without_replication_fails(log_url: str) -> None:
         lines = _lines(engine)
         assert lines["replication role"] == (
             False,
-            "this role has neither REPLICATION nor superuser: the relay cannot read the slot "
-            "(ALTER ROLE ... REPLICATION, or the provider's equivalent)",
+            "this role has neither REPLICATION nor superuser (nor RDS's rds_replication): the "
+            "relay cannot read the slot (ALTER ROLE ... REPLICATION, or the provider's "
+            "equivalent)",
         )
         with admin.begin() as conn:
             conn.exec_driver_sql(f'ALTER ROLE "{role}" REPLICATION')

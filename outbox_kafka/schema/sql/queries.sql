@@ -1161,8 +1161,8 @@ SELECT {emit}(CAST(:frame AS bytea));
 -- name: log_server_state
 -- What the log mode needs of the server and of the outbox's slot, for log-setup and
 -- check: wal_level, the server's major version (failover slots need 17),
--- max_slot_wal_keep_size, whether the session may replicate (superuser or
--- REPLICATION), whether the publication exists and whether PUBLIC may still call
+-- max_slot_wal_keep_size, whether the session may replicate (superuser,
+-- REPLICATION, or Amazon RDS's rds_replication role), whether the publication exists and whether PUBLIC may still call
 -- pg_logical_emit_message; and the slot's plugin, wal_status, whether a session
 -- reads it, the WAL it holds back (bytes from its confirmed position to the
 -- server's current one), safe_wal_size and failover (NULL before 17). The slot's
@@ -1171,6 +1171,9 @@ SELECT current_setting('wal_level') AS wal_level,
        current_setting('server_version_num')::int / 10000 AS major,
        current_setting('max_slot_wal_keep_size') AS max_slot_wal_keep_size,
        (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user)
+       OR EXISTS (SELECT 1 FROM pg_roles
+                  WHERE rolname = 'rds_replication'
+                    AND pg_has_role(current_user, oid, 'MEMBER'))
            AS may_replicate,
        EXISTS (SELECT 1 FROM pg_publication WHERE pubname = :publication) AS has_publication,
        EXISTS (SELECT 1 FROM pg_proc p

@@ -6,6 +6,9 @@
 -- by each session within a second. A session's last check is kept in a
 -- session setting named for the slot ('outbox_kafka.' || the slot's name);
 -- a transaction that rolls back also takes back the time of a check it made.
+-- The setting is the session's own: a value that is not a time, or not within
+-- the last second, only makes the function check again. Setting it is no way
+-- past anything but the check of one's own writes.
 --
 -- The function keeps its owner, its grants and its SET search_path.
 CREATE OR REPLACE FUNCTION {emit}(p_frame bytea) RETURNS void
@@ -22,7 +25,7 @@ BEGIN
         RAISE EXCEPTION 'outbox log mode: not an event frame of version 1'
               USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF checked_at IS NULL OR checked_at = ''
+    IF checked_at IS NULL OR checked_at !~ '^[0-9]+(\.[0-9]+)?$'
        OR NOT (now_s - checked_at::double precision BETWEEN 0 AND 1) THEN
         IF current_setting('wal_level') <> 'logical' THEN
             RAISE EXCEPTION 'outbox log mode: wal_level is %, not logical',
