@@ -278,18 +278,20 @@ class LogRelay:
         return done
 
     def drain(self, idle: float = 1.0, deadline: float = 60.0) -> int:
-        """Publish until nothing new has committed for ``idle`` seconds and everything read
-        is acknowledged; the events acknowledged. Raises :class:`LogStalled` at a stall."""
+        """Publish until no event of this outbox has committed for ``idle`` seconds and
+        every one read is acknowledged; the events acknowledged. Raises
+        :class:`LogStalled` at a stall."""
         published = 0
         quiet_since = time.monotonic()
         give_up = time.monotonic() + deadline
         while time.monotonic() < give_up:
-            before = self.reader.acknowledged
             got = self.step(min(idle, 0.2))
             if self.stalled is not None:
                 raise LogStalled(self.stalled)
             published += got
-            if got or self._in_flight or self.reader.acknowledged != before:
+            # Quiet is about this outbox's events: transactions of other prefixes'
+            # messages may stream on without end.
+            if got or any(entry.size for entry in self._in_flight):
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= idle:
                 return published

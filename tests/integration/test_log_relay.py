@@ -334,3 +334,81 @@ def test_the_slot_is_sampled_into_gauges_and_a_missing_slot_is_said(
         )
     finally:
         orphan.close()
+
+
+def _walsender_pids(engine: sa.Engine) -> list[int]:
+    with engine.connect() as conn:
+        return list(
+            conn.exec_driver_sql(
+                "SELECT active_pid FROM pg_replication_slots "
+                "WHERE slot_name = %(s)s AND active_pid IS NOT NULL",
+                {"s": NAMES.log_slot},
+            ).scalars()
+        )
+
+
+def test_a_wait_for_kafka_longer_than_wal_sender_timeout_keeps_the_session(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """While events are in flight the relay reads nothing; it tells the server it
+    lives often enough for the server's wal_sender_timeout (2 s here, for a wait of
+    Kafka's 3 s delivery timeout), so the session is the same one throughout."""
+    with log_engine.connect() as conn:
+        auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+        auto.exec_driver_sql("ALTER SYSTEM SET wal_sender_timeout = '2s'")
+        auto.exec_driver_sql("SELECT pg_reload_conf()")
+    try:
+        with log_engine.begin() as conn:
+            _emit(conn, f"missing-{new_topic(1)}", "k", 1)
+        relay = LogRelay(make_settings(log_url, kafka_bootstrap))
+        relay.open()
+        try:
+            assert relay.step(0.5) == 0  # produced, waiting for Kafka
+            pids = set(_walsender_pids(log_engine))
+            assert len(pids) == 1
+            deadline = time.monotonic() + 30
+            while relay.stalled is None:
+                assert time.monotonic() < deadline, "no stall"
+                relay.step(0.2)
+                if relay.stalled is None:
+                    assert set(_walsender_pids(log_engine)) == pids
+        finally:
+            relay.close(0)
+        assert "missing-" in relay.stalled
+    finally:
+        with log_engine.connect() as conn:
+            auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+            auto.exec_driver_sql("ALTER SYSTEM RESET wal_sender_timeout")
+            auto.exec_driver_sql("SELECT pg_reload_conf()")
+
+
+def test_a_drain_ends_while_other_prefixes_keep_writing_to_the_log(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """Another tool's transactional messages stream on without end: the relay reads
+    past them, publishes its own, and a drain still ends once its own are done."""
+    topic = new_topic(1)
+    with log_engine.begin() as conn:
+        for n in range(1, 21):
+            _emit(conn, topic, "k", n)
+    stop = threading.Event()
+
+    def foreign() -> None:
+        with log_engine.connect() as conn:
+            while not stop.is_set():
+                with conn.begin():
+                    conn.exec_driver_sql("SELECT pg_logical_emit_message(true, 'other', 'x')")
+                time.sleep(0.005)
+
+    writer = threading.Thread(target=foreign, daemon=True)
+    writer.start()
+    relay = _relay(log_url, kafka_bootstrap)
+    try:
+        assert relay.drain(idle=0.5, deadline=20.0) == 20
+        assert relay.reader.strays.foreign > 0
+    finally:
+        stop.set()
+        writer.join(10)
+        relay.close()
+    on_topic = consume_all(kafka_bootstrap, topic, 20)
+    assert [r.value["data"]["n"] for r in on_topic] == list(range(1, 21))
