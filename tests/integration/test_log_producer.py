@@ -5,12 +5,15 @@ or a savepoint that rolled back."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox_kafka import Event, Outbox
 from outbox_kafka.database import make_engine
@@ -172,3 +175,37 @@ def test_write_to_must_be_table_or_log() -> None:
 def test_a_writer_given_must_write_where_write_to_says() -> None:
     with pytest.raises(ConfigurationError, match="writer is a OutboxWriter, which does not"):
         Outbox(write_to="log", writer=OutboxWriter(NAMES, notify=False))
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+def test_async_writes_reach_the_log_in_commit_order(log_url: str, driver: str) -> None:
+    """enqueue_async and enqueue_many_async of an outbox that writes to the log, on
+    each async driver: committed frames arrive, a rolled-back one never."""
+    outbox = log_outbox()
+
+    async def main() -> None:
+        engine = create_async_engine(make_url(log_url).set(drivername=f"postgresql+{driver}"))
+        try:
+            async with engine.begin() as conn:
+                await outbox.enqueue_async(
+                    conn, type="log.test", key="a", data={"n": 1}, topic="log-topic"
+                )
+            async with engine.connect() as conn:
+                await outbox.enqueue_async(
+                    conn, type="log.test", key="a", data={"n": 99}, topic="log-topic"
+                )
+                await conn.rollback()
+            async with engine.begin() as conn:
+                await outbox.enqueue_many_async(
+                    conn,
+                    [
+                        Event(type="log.test", key="a", data={"n": 2}, topic="log-topic"),
+                        Event(type="log.test", key="b", data={"n": 1}, topic="log-topic"),
+                    ],
+                )
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    transactions, _ = read_log(log_url)
+    assert keys_and_ns(transactions) == [[("a", 1)], [("a", 2), ("b", 1)]]
