@@ -93,6 +93,7 @@ MIGRATIONS = [
     (5, "producer_functions"),
     (6, "exactly_once"),
     (7, "log_messages"),
+    (8, "emit_slot_check"),
 ]
 
 
@@ -102,7 +103,7 @@ def test_migrate_fresh_database_then_up_to_date(empty_database: Callable[[], str
 
     first = run_cli("migrate", database_url=url)
     assert first.returncode == 0, first.stderr
-    assert "applied migrations [1, 2, 3, 4, 5, 6, 7]" in first.stdout
+    assert "applied migrations [1, 2, 3, 4, 5, 6, 7, 8]" in first.stdout
     assert "public.outbox" in first.stdout
     assert relations(url) == OUTBOX_TABLES
 
@@ -145,7 +146,7 @@ def test_concurrent_migrations_apply_once(empty_database: Callable[[], str], rou
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err
     stdouts = sorted(out for out, _ in outputs)
-    assert sum("applied migrations [1, 2, 3, 4, 5, 6, 7]" in out for out in stdouts) == 1, stdouts
+    assert sum("applied migrations [1, 2, 3, 4, 5, 6, 7, 8]" in out for out in stdouts) == 1, stdouts
     assert sum("up to date" in out for out in stdouts) == 1, stdouts
     assert applied_versions(url) == MIGRATIONS
     assert relations(url) == OUTBOX_TABLES
@@ -293,7 +294,7 @@ def test_custom_table_and_schema(empty_database: Callable[[], str], via: str) ->
     assert "up to date" in again.stdout
     # The default outbox is a separate outbox in the same database.
     default = run_cli("migrate", database_url=url)
-    assert "applied migrations [1, 2, 3, 4, 5, 6, 7]" in default.stdout
+    assert "applied migrations [1, 2, 3, 4, 5, 6, 7, 8]" in default.stdout
     assert relations(url, "public") == OUTBOX_TABLES
 
 

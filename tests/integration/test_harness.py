@@ -12,7 +12,7 @@ def test_database_is_migrated(engine: sa.Engine) -> None:
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 0
         versions = conn.execute(sa.text("SELECT version FROM outbox_migrations")).scalars().all()
-    assert versions == [1, 2, 3, 4, 5, 6, 7]
+    assert versions == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_each_test_gets_its_own_database(engine: sa.Engine, database_url: str) -> None:
