@@ -146,7 +146,8 @@ def test_concurrent_migrations_apply_once(empty_database: Callable[[], str], rou
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err
     stdouts = sorted(out for out, _ in outputs)
-    assert sum("applied migrations [1, 2, 3, 4, 5, 6, 7, 8]" in out for out in stdouts) == 1, stdouts
+    applied = "applied migrations [1, 2, 3, 4, 5, 6, 7, 8]"
+    assert sum(applied in out for out in stdouts) == 1, stdouts
     assert sum("up to date" in out for out in stdouts) == 1, stdouts
     assert applied_versions(url) == MIGRATIONS
     assert relations(url) == OUTBOX_TABLES
