@@ -22,6 +22,13 @@ started again, from the last acknowledgement. An event for a topic that is
 never made stalls the stream until an operator steps in (see
 docs/explanation/log-mode.md).
 
+A producer that fails fatally (its idempotent session is gone: fenced, or a
+sequence the broker does not know) is replaced, and the stream is read again from
+the last acknowledgement with the new one, without waiting for reports the old
+one will never give. So is a producer whose deliveries timed out, when the stream
+is read again after the stall: librdkafka's idempotent producer can be left
+unable to send after its broker restarts, with no fatal error to say so.
+
 An event Kafka will never take (found by the polling relay's checks before it is
 produced, or refused alone by the producer as such) goes to the dead-letter topic,
 when there is one, and the stream goes on; without one, or with a copy too large
@@ -32,6 +39,7 @@ of this mode yet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -54,7 +62,7 @@ from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.decide import dead_letter_copy
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
 from outbox_kafka.relay.ports import Message
-from outbox_kafka.relay.send import broker_problem, classify
+from outbox_kafka.relay.send import broker_problem, classify, needs_rebuild
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.stored_headers import message_size
 
@@ -100,6 +108,11 @@ class LogRelayMetrics:
         self.dead_lettered = Counter(
             "outbox_log_dead_lettered",
             "Events Kafka will never take, sent to the dead-letter topic instead",
+            registry=self.registry,
+        )
+        self.producer_rebuilds = Counter(
+            "outbox_log_producer_rebuilds",
+            "Times the Kafka producer was replaced: it failed fatally, or its deliveries timed out",
             registry=self.registry,
         )
         self.stalls = Counter(
@@ -153,7 +166,15 @@ class LogRelay:
         self.metrics = metrics or LogRelayMetrics()
         self.reader = LogReader(settings.database_url, settings.names)
         config = settings.producer_config()
+        self._producer_factory = producer_factory
+        self._producer_config = config
         self._producer = producer_factory(config)
+        #: Why the producer is to be replaced before the stream is read again, or None.
+        self._replace_producer: str | None = None
+        #: The producer failed fatally: what it has in flight will never be reported.
+        self._producer_dead = False
+        #: Times the producer was replaced since the relay started.
+        self.rebuilds = 0
         #: What is checked of each event before it is produced (as the polling relay does).
         self._checks = EventChecks(int(config["message.max.bytes"]))
         self._in_flight: deque[_InFlight] = deque()
@@ -264,10 +285,12 @@ class LogRelay:
             # Queued behind the failure, not sent yet: they would only be sent again.
             self._producer.purge(in_queue=True, in_flight=False, blocking=False)
             self._purged = True
-        self._producer.poll(0.05 if self._in_flight else 0)
+        self._poll(0.05 if self._in_flight else 0)
         self._produce_copies()
         done = self._acknowledge()
-        if self._failure is not None:
+        if self._producer_dead:
+            self._read_again_with_a_new_producer()
+        elif self._failure is not None:
             if all(entry.remaining <= 0 for entry in self._in_flight):
                 self._restart_after(self._failure)
         elif not self._in_flight and self.reader.idle_lsn > self.reader.acknowledged:
@@ -291,7 +314,7 @@ class LogRelay:
             published += got
             # Quiet is about this outbox's events: transactions of other prefixes'
             # messages may stream on without end.
-            if got or any(entry.size for entry in self._in_flight):
+            if got or not self._reading or any(entry.size for entry in self._in_flight):
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= idle:
                 return published
@@ -302,8 +325,13 @@ class LogRelay:
         and stop reading."""
         try:
             deadline = time.monotonic() + timeout
-            while self._in_flight and self._reading and time.monotonic() < deadline:
-                self._producer.poll(0.05)
+            while (
+                self._in_flight
+                and self._reading
+                and not self._producer_dead
+                and time.monotonic() < deadline
+            ):
+                self._poll(0.05)
                 self._produce_copies()
                 self._acknowledge()
                 if self._in_flight and self._in_flight[0].failed:
@@ -311,7 +339,8 @@ class LogRelay:
         finally:
             self.reader.close()
             self._reading = False
-            self._producer.flush(0)
+            with contextlib.suppress(KafkaException):
+                self._producer.flush(0)
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None
@@ -392,6 +421,7 @@ class LogRelay:
             if err is None:
                 entry.remaining -= 1
             else:
+                self._producer_failed(err)
                 self._not_taken(event, entry, _verdict(err), str(err))
 
         while True:
@@ -408,6 +438,7 @@ class LogRelay:
                 self._producer.poll(0.1)
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else exc
+                self._producer_failed(err)
                 self._not_taken(event, entry, _verdict(err, reported=False), str(err))
                 return
 
@@ -471,6 +502,7 @@ class LogRelay:
             if err is None:
                 entry.dead_lettered += 1
             else:
+                self._producer_failed(err)
                 entry.failed = True
                 if self._failure is None:
                     self._failure = (
@@ -488,7 +520,9 @@ class LogRelay:
             except BufferError:
                 self._producer.poll(0.1)
             except KafkaException as exc:
-                report(exc.args[0] if exc.args else exc, None)
+                err = exc.args[0] if exc.args else exc
+                self._producer_failed(err)
+                report(err, None)
                 return
 
     def _acknowledge(self) -> int:
@@ -507,6 +541,8 @@ class LogRelay:
             last = head.end_lsn
         if last is not None:
             self.reader.acknowledge(last)
+            if self.stalled is None:
+                self._backoff = self.settings.backoff_base
             self.published += done - set_aside
             self.dead_lettered += set_aside
             self.metrics.published.inc(done - set_aside)
@@ -533,8 +569,65 @@ class LogRelay:
         )
         self.problem = f"stalled: {self.stalled}"
         self._abandon(keep_stall=True)
+        self._rebuild_if_due()
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self.settings.backoff_cap, self._backoff * 2)
+
+    def _poll(self, timeout: float) -> None:
+        """Serve delivery reports; a producer that failed fatally is marked for replacing
+        (``poll()`` raises it rather than reporting it)."""
+        try:
+            self._producer.poll(timeout)
+        except KafkaException as exc:
+            self._producer_failed(exc.args[0] if exc.args else exc)
+
+    def _producer_failed(self, err: Any) -> None:
+        """Note what a Kafka error says of the producer itself. A fatal error, or one that
+        ends its idempotent session, leaves it dead: what it holds will never be reported,
+        and the stream is read again by a new one. A delivery that timed out stalls the
+        stream as any failure does, and the stream is read again by a new producer."""
+        if not isinstance(err, KafkaError):
+            return
+        if needs_rebuild(err):
+            if not self._producer_dead:
+                self._producer_dead = True
+                self._replace_producer = f"a fatal error ({err.name()})"
+                log.error(
+                    "log relay: the Kafka producer failed fatally; a new one reads the "
+                    "stream again from the last acknowledgement",
+                    extra={"action": "producer_fatal", "error": str(err)},
+                )
+        elif err.code() == KafkaError._MSG_TIMED_OUT and self._replace_producer is None:
+            self._replace_producer = "deliveries that timed out"
+
+    def _read_again_with_a_new_producer(self) -> None:
+        """After a fatal error: what was delivered is acknowledged (by the step), the
+        rest is read again from there, after a backoff, by a new producer."""
+        self._abandon(keep_stall=True)
+        self._rebuild_if_due()
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self.settings.backoff_cap, self._backoff * 2)
+
+    def _rebuild_if_due(self) -> None:
+        """Replace the producer if an error said it is to be replaced."""
+        why = self._replace_producer
+        if why is None:
+            return
+        log.warning(
+            "log relay: rebuilding the Kafka producer after %s",
+            why,
+            extra={"action": "rebuild", "reason": why},
+        )
+        old = self._producer
+        self._producer = self._producer_factory(self._producer_config)
+        self._replace_producer = None
+        self._producer_dead = False
+        self.rebuilds += 1
+        self.metrics.producer_rebuilds.inc()
+        with contextlib.suppress(KafkaException):
+            old.purge(in_queue=True, in_flight=True, blocking=False)
+        with contextlib.suppress(KafkaException):
+            old.flush(0)
 
     def _unstall(self) -> None:
         log.warning("log relay: the stream goes on", extra={"action": "log_resumed"})

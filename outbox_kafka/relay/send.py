@@ -348,7 +348,8 @@ _NOT_APPENDED_CODES = (
 )
 
 
-def _needs_rebuild(err: KafkaError) -> bool:
+def needs_rebuild(err: KafkaError) -> bool:
+    """Whether ``err`` leaves the producer that gave it unusable: it is to be replaced."""
     return bool(err.fatal()) or err.code() in _REBUILD_CODES
 
 
@@ -402,7 +403,7 @@ class _Reports:
             else:
                 delivery.verdict = _verdict(err, reported=True)
                 delivery.error = _describe(err)
-                delivery.fatal = _needs_rebuild(err)
+                delivery.fatal = needs_rebuild(err)
                 delivery.may_have_landed = err.code() not in _NOT_APPENDED_CODES
             delivery.reported = True
 
@@ -662,7 +663,7 @@ class Publisher:
                 if isinstance(err, KafkaError):
                     delivery.verdict = _verdict(err, reported=False)
                     delivery.error = _describe(err)
-                    delivery.fatal = _needs_rebuild(err)
+                    delivery.fatal = needs_rebuild(err)
                 else:
                     delivery.verdict = Verdict.RETRIABLE
                     delivery.error = str(exc)
