@@ -33,6 +33,7 @@ from outbox_kafka import (
 )
 from outbox_kafka.contrib import django as django_outbox
 from tests.integration.test_enqueue import stored_events
+from tests.log_support import keys_and_ns, log_outbox, read_log
 from tests.relay_support import migrate_to
 from tests.support import ORDER_CREATED, REPO, valid_event
 
@@ -59,7 +60,20 @@ def _django_database(url: str, **options: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def django_db(database_url: str) -> Iterator[None]:
-    """Django's ``default`` connection on this test's database, with a ``django_orders``
+    with _django_on(database_url):
+        yield
+
+
+@pytest.fixture
+def django_log_db(log_url: str) -> Iterator[None]:
+    """:func:`django_db` on a database of the logical server, with the outbox's slot."""
+    with _django_on(log_url):
+        yield
+
+
+@contextlib.contextmanager
+def _django_on(database_url: str) -> Iterator[None]:
+    """Django's ``default`` connection on ``database_url``, with a ``django_orders``
     table (and a SQLite database as ``lite``); every connection closed at the end, so
     that the database can be dropped.
 
@@ -421,3 +435,36 @@ def test_importing_outbox_kafka_does_not_import_django() -> None:
         [sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_an_outbox_that_writes_to_the_log_writes_in_the_atomic_blocks_transaction(
+    django_log_db: None, log_url: str
+) -> None:
+    """``write_to="log"`` through Django's connection: the events of an atomic block
+    reach the log when it commits, those of a rolled-back inner block or a failed
+    outer one never, and the business row commits with its events."""
+    outbox = log_outbox()
+
+    def one(key: str, n: int) -> dict[str, Any]:
+        return {"type": "log.test", "key": key, "data": {"n": n}, "topic": "log-topic"}
+
+    with transaction.atomic():
+        _create_order("o-1")
+        django_outbox.enqueue(**one("a", 1), outbox=outbox)
+        with contextlib.suppress(RuntimeError), transaction.atomic():
+            django_outbox.enqueue(**one("a", 2), outbox=outbox)
+            raise RuntimeError("the inner block fails")
+        django_outbox.enqueue_many([one("b", 3), one("a", 4)], outbox=outbox)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        _create_order("o-2")
+        django_outbox.enqueue(**one("a", 5), outbox=outbox)
+        raise RuntimeError("the outer block fails")
+    with transaction.atomic():
+        django_outbox.enqueue(**one("c", 6), outbox=outbox)
+
+    transactions, strays = read_log(log_url)
+    assert (strays.non_transactional, strays.foreign, strays.malformed) == (0, 0, 0)
+    assert keys_and_ns(transactions) == [[("a", 1), ("b", 3), ("a", 4)], [("c", 6)]]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id FROM django_orders")
+        assert cursor.fetchall() == [("o-1",)]
