@@ -223,3 +223,17 @@ def proxied_broker(work_dir: Path) -> Iterator[tuple[TcpProxy, EmbeddedBroker]]:
     finally:
         proxy.close()
         broker.stop()
+
+
+@pytest.fixture
+def validating_broker(work_dir: Path) -> Iterator[tuple[EmbeddedBroker, Path]]:
+    """A broker of its own that checks every record of a topic against ``<topic>.json``
+    in its schema folder, refusing a whole record batch when one record fails."""
+    log_dir = work_dir / f"validating-{uuid.uuid4().hex[:8]}"
+    schemas = log_dir / "schemas"
+    schemas.mkdir(parents=True)
+    broker = start_broker(log_dir, schema_registry=schemas)
+    try:
+        yield broker, schemas
+    finally:
+        broker.stop()

@@ -746,3 +746,11 @@ def migrate_to(engine: sa.Engine, names: TableNames, version: int) -> None:
             conn.execute(
                 q["record_version"], {"version": migration.version, "name": migration.name}
             )
+
+
+#: For a broker that validates records (the ``validating_broker`` fixture): refuses a
+#: record whose envelope's data says {"poison": true}.
+NO_POISON = (
+    '{"type": "object", "properties": {"value": {"not": {"type": "object", "required": '
+    '["data"], "properties": {"data": {"type": "object", "required": ["poison"]}}}}}}'
+)

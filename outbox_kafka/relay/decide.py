@@ -469,24 +469,28 @@ def idle_key_outcome(key: ClaimedKey) -> KeyOutcome:
     return KeyOutcome(key.key, done, 0.0, False, True)
 
 
+#: What to do about an event over its topic's limit, in the polling relay.
+_REQUEUE = "raise it, then requeue the event"
+
+
 def over_topic_limit(
-    message: Message, message_limit: Callable[[str], int | None]
+    message: Message, message_limit: Callable[[str], int | None], remedy: str = _REQUEUE
 ) -> Problem | None:
     """The message's problem if it is larger than its topic takes (where told)."""
     limit = message_limit(message.topic)
-    return None if limit is None else over_limit(message, limit)
+    return None if limit is None else over_limit(message, limit, remedy)
 
 
-def over_limit(message: Message, limit: int) -> Problem | None:
+def over_limit(message: Message, limit: int, remedy: str = _REQUEUE) -> Problem | None:
     """The message's problem if it is larger than ``limit``, its topic's
-    ``max.message.bytes``."""
+    ``max.message.bytes``; ``remedy`` says what to do."""
     size = message_size(message.key, message.value, message.headers)
     if size <= limit:
         return None
     return (
         Verdict.PERMANENT,
         f"MSG_SIZE_TOO_LARGE: message is {size} bytes, over topic {message.topic!r}'s "
-        f"max.message.bytes ({limit}); raise it, then requeue the event",
+        f"max.message.bytes ({limit}); {remedy}",
     )
 
 

@@ -30,10 +30,14 @@ is read again after the stall: librdkafka's idempotent producer can be left
 unable to send after its broker restarts, with no fatal error to say so.
 
 An event Kafka will never take (found by the polling relay's checks before it is
-produced, or refused alone by the producer as such) goes to the dead-letter topic,
+produced, over its topic's ``max.message.bytes`` as the broker tells it, or refused
+alone by the producer or the broker) goes to the dead-letter topic,
 when there is one, and the stream goes on; without one, or with a copy too large
 for it, it stalls the stream like any other failure. The copies are produced by
-the loop, never from a delivery report. The polling relay's parking is not part
+the loop, never from a delivery report. A record batch the broker refuses names no
+message: the stream is read again at once, without a stall, and the transactions up
+to the last one with an event in a refused batch are sent one message at a time, so
+that the broker's answer names the message it refuses. The polling relay's parking is not part
 of this mode yet.
 """
 
@@ -43,6 +47,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ from typing import Any
 
 import psycopg2
 from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -59,14 +65,19 @@ from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.batch import ClaimedEvent, Verdict
 from outbox_kafka.relay.claim import EventChecks
 from outbox_kafka.relay.config import RelaySettings
-from outbox_kafka.relay.decide import dead_letter_copy
+from outbox_kafka.relay.decide import dead_letter_copy, over_topic_limit
+from outbox_kafka.relay.lease import metadata_wait
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
 from outbox_kafka.relay.ports import Message
 from outbox_kafka.relay.send import broker_problem, classify, needs_rebuild
+from outbox_kafka.relay.topic_limits import TopicLimits
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.stored_headers import message_size
 
 log = logging.getLogger("outbox_kafka.relay.log")
+
+#: What to do about an event over its topic's max.message.bytes, in this mode.
+_RAISE_IT = "raise it to publish such events"
 
 
 class LogStalled(RuntimeError):
@@ -175,6 +186,21 @@ class LogRelay:
         self._producer_dead = False
         #: Times the producer was replaced since the relay started.
         self.rebuilds = 0
+        self._admin: AdminClient | None = None
+        #: Each topic's max.message.bytes, where the broker tells it.
+        self._limits = TopicLimits(
+            config, self._admin_client, metadata_wait(settings.lease_seconds)
+        )
+        #: The end LSN of the last transaction with an event in a record batch the
+        #: broker refused, until the stream is read again.
+        self._refused_through: int | None = None
+        #: Transactions up to this end LSN are sent one message at a time.
+        self._alone_through: int | None = None
+        #: By event id: events found to be such as Kafka will never take, with their
+        #: transaction's end LSN and why, until acknowledged. The verdict outlives the
+        #: producer: a broker may fence a producer after refusing one of its messages,
+        #: and the stream, read again, must not send the event to be refused again.
+        self._never: dict[uuid.UUID, tuple[int, str]] = {}
         #: What is checked of each event before it is produced (as the polling relay does).
         self._checks = EventChecks(int(config["message.max.bytes"]))
         self._in_flight: deque[_InFlight] = deque()
@@ -406,23 +432,57 @@ class LogRelay:
         entry = _InFlight(transaction.end_lsn, size, size)
         self._in_flight.append(entry)
         self._events_in_flight += size
+        alone = self._alone_through is not None and transaction.end_lsn <= self._alone_through
         for event in transaction.events:
-            problem = self._checks.problem(_as_claimed(event), event.key.encode("utf-8"))
-            if problem is None:
-                self._produce(event, entry)
-            else:
+            key = event.key.encode("utf-8")
+            known = self._never.get(event.event_id)
+            problem = (
+                (Verdict.PERMANENT, known[1])
+                if known is not None
+                else self._checks.problem(_as_claimed(event), key)
+                or over_topic_limit(
+                    Message(event.topic, key, event.value, event.headers),
+                    self._limits,
+                    _RAISE_IT,
+                )
+            )
+            if problem is not None:
                 self._not_taken(event, entry, *problem)
+            elif alone:
+                # Nothing else in its record batch: the broker's answer is about it.
+                self._wait_for_reports()
+                self._produce(event, entry, alone=True)
+                self._wait_for_reports()
+            else:
+                self._produce(event, entry)
         self._produce_copies()
 
-    def _produce(self, event: FramedEvent, entry: _InFlight) -> None:
+    def _wait_for_reports(self) -> None:
+        """Serve delivery reports until every message produced has one (or the delivery
+        timeout has passed), telling the server the session lives meanwhile."""
+        deadline = time.monotonic() + self.settings.effective_delivery_timeout_ms / 1000 + 1
+        while len(self._producer) and not self._producer_dead and time.monotonic() < deadline:
+            self._poll(0.05)
+            self.reader.keep_alive()
+
+    def _produce(self, event: FramedEvent, entry: _InFlight, *, alone: bool = False) -> None:
+        """Produce ``event``; ``alone``: nothing else is in its record batch, so that a
+        refusal of the batch is a refusal of the event."""
+
         def report(err: Any, _msg: Any) -> None:
             if entry.abandoned:
                 return
             if err is None:
                 entry.remaining -= 1
-            else:
-                self._producer_failed(err)
-                self._not_taken(event, entry, _verdict(err), str(err))
+                return
+            self._producer_failed(err)
+            verdict, why = _verdict(err), str(err)
+            if verdict == Verdict.BATCH_REJECTED:
+                if alone:
+                    verdict, why = Verdict.PERMANENT, f"{why} (refused when sent alone)"
+                else:
+                    self._refused_through = max(self._refused_through or 0, entry.end_lsn)
+            self._not_taken(event, entry, verdict, why)
 
         while True:
             try:
@@ -449,6 +509,8 @@ class LogRelay:
         the copy is only queued here."""
         if entry.abandoned:
             return
+        if verdict == Verdict.PERMANENT:
+            self._never[event.event_id] = (entry.end_lsn, why)
         dead_letter = self.settings.dead_letter_topic
         if verdict == Verdict.PERMANENT and dead_letter and self._failure is None:
             copy = dead_letter_copy(
@@ -466,6 +528,10 @@ class LogRelay:
                 self._copies.append((copy, entry, event, why))
                 return
             why += f"; its dead-letter copy ({size} bytes) is too large as well"
+        self._fail(event, entry, why)
+
+    def _fail(self, event: FramedEvent, entry: _InFlight, why: str) -> None:
+        """``event`` was not published: the stream stops before its transaction."""
         if self._failure is None:
             self._failure = (
                 f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {why}"
@@ -474,11 +540,17 @@ class LogRelay:
         entry.remaining -= 1
 
     def _produce_copies(self) -> None:
-        """Produce the dead-letter copies queued; each is its event's report."""
+        """Produce the dead-letter copies queued; each is its event's report. A copy
+        over the dead-letter topic's own limit fails its event."""
         copies, self._copies = self._copies, []
         for copy, entry, event, why in copies:
-            if not entry.abandoned:
+            if entry.abandoned:
+                continue
+            too_large = over_topic_limit(copy, self._limits, _RAISE_IT)
+            if too_large is None:
                 self._dead_letter(copy, entry, event, why)
+            else:
+                self._fail(event, entry, f"{why}; its dead-letter copy: {too_large[1]}")
 
     def _dead_letter(self, copy: Message, entry: _InFlight, event: FramedEvent, why: str) -> None:
         """Produce ``copy``, the dead-letter copy of ``event``: its delivery is the
@@ -543,6 +615,10 @@ class LogRelay:
             self.reader.acknowledge(last)
             if self.stalled is None:
                 self._backoff = self.settings.backoff_base
+            if self._alone_through is not None and last >= self._alone_through:
+                self._alone_through = None
+            if self._never:
+                self._never = {i: v for i, v in self._never.items() if v[0] > last}
             self.published += done - set_aside
             self.dead_lettered += set_aside
             self.metrics.published.inc(done - set_aside)
@@ -554,7 +630,18 @@ class LogRelay:
 
     def _restart_after(self, failure: str) -> None:
         """Everything in flight is reported and what preceded the failure acknowledged:
-        read again from there, after a backoff."""
+        read again from there, after a backoff; at once when the broker refused a record
+        batch (its messages are sent again one at a time: no stall yet)."""
+        if self._refused_through is not None:
+            log.warning(
+                "log relay: the broker refused a record batch; its events are sent again "
+                "one at a time",
+                extra={"action": "send_alone", "error": failure},
+            )
+            self._abandon(keep_stall=True)
+            self._rebuild_if_due()
+            self._retry_at = time.monotonic()
+            return
         if self.stalled is None:
             self.metrics.stalls.inc()
             self.metrics.stalled.set(1)
@@ -572,6 +659,11 @@ class LogRelay:
         self._rebuild_if_due()
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self.settings.backoff_cap, self._backoff * 2)
+
+    def _admin_client(self) -> AdminClient:
+        if self._admin is None:
+            self._admin = AdminClient(dict(self.settings.admin_config()))
+        return self._admin
 
     def _poll(self, timeout: float) -> None:
         """Serve delivery reports; a producer that failed fatally is marked for replacing
@@ -647,6 +739,9 @@ class LogRelay:
         self._copies.clear()
         self._events_in_flight = 0
         self._failure = None
+        if self._refused_through is not None:
+            self._alone_through = max(self._alone_through or 0, self._refused_through)
+            self._refused_through = None
         self._purged = False
         if self.stalled is not None and not keep_stall:
             self._unstall()

@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING, Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AdminClient,
-    ConfigResource,
     NewTopic,
-    ResourceType,
 )
 
 from outbox_kafka.errors import ConfigurationError, StorageError
@@ -50,6 +48,7 @@ from outbox_kafka.relay.lease import Lease, metadata_wait
 from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.recover import READ_BACK_MARGIN, ReadBackError, Recovery
+from outbox_kafka.relay.topic_limits import TOPIC_LIMIT_SECONDS, TopicLimits
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.config import RelaySettings
@@ -274,9 +273,6 @@ log = logging.getLogger("outbox_kafka.publisher")
 #: After a failed metadata fetch, topic checks fail fast for this long.
 METADATA_RETRY_SECONDS = 2.0
 
-#: How long a topic's max.message.bytes, as the broker told it, is trusted.
-TOPIC_LIMIT_SECONDS = 60.0
-
 #: How long a topic found missing (or not granted) is taken to be so, before the
 #: broker is asked again: held keys are looked at every few seconds.
 MISSING_TOPIC_SECONDS = 2.0
@@ -284,9 +280,6 @@ MISSING_TOPIC_SECONDS = 2.0
 #: Batches in a row that timed out, with nothing delivered, while the broker answers
 #: metadata requests, after which the producer is replaced (it may be stuck).
 STALLED_BATCHES = 3
-
-#: librdkafka's names of the producer's compression setting.
-_COMPRESSION_KEYS = ("compression.type", "compression.codec")
 
 # Errors no retry can fix: the event is set aside at once.
 _PERMANENT_CODES = {
@@ -435,8 +428,6 @@ class Publisher:
         self._known_topics: set[str] = set()
         #: By topic: why it cannot be sent to, and until when that answer is used.
         self._missing_topics: dict[str, tuple[Problem, float]] = {}
-        #: By topic: (its max.message.bytes or None where not told, when it was read).
-        self._topic_limits: dict[str, tuple[int | None, float]] = {}
         #: By topic: (its partition count, when it was read).
         self._partition_counts: dict[str, tuple[int, float]] = {}
         self._metadata_timeout = metadata_timeout
@@ -452,6 +443,7 @@ class Publisher:
         self._topic_lock = threading.Lock()
         self._producer = self._new_producer()
         self._admin: AdminClient | None = None
+        self._topic_limits = TopicLimits(self._config, self._admin_client, metadata_timeout)
         #: Batches in a row in which nothing was delivered and a message timed out.
         self._stalled_batches = 0
         #: How many times the producer was replaced (fatal errors and stalls).
@@ -594,28 +586,9 @@ class Publisher:
         return len(listed.partitions)
 
     def message_limit(self, topic: str) -> int | None:
-        """The largest message ``topic`` takes (its ``max.message.bytes``), where the
-        broker tells it (DescribeConfigs) and the producer does not compress: a
-        compressed batch may fit a limit its messages exceed. Read again after a minute,
-        so that a limit an operator raises takes effect."""
-        if any(self._config.get(k, "none") != "none" for k in _COMPRESSION_KEYS):
-            return None
-        now = time.monotonic()
-        cached = self._topic_limits.get(topic)
-        if cached is not None and now - cached[1] < TOPIC_LIMIT_SECONDS:
-            return cached[0]
-        limit: int | None = None
-        try:
-            resource = ConfigResource(ResourceType.TOPIC, topic)
-            futures = self._admin_client().describe_configs(
-                [resource], request_timeout=self._metadata_timeout
-            )
-            entry = futures[resource].result(self._metadata_timeout + 1).get("max.message.bytes")
-            limit = int(entry.value)
-        except Exception:
-            limit = None  # the broker's answer to the send decides
-        self._topic_limits[topic] = (limit, now)
-        return limit
+        """The largest message ``topic`` takes, where the broker tells it
+        (:class:`~outbox_kafka.relay.topic_limits.TopicLimits`)."""
+        return self._topic_limits(topic)
 
     # Sending --------------------------------------------------------------
 

@@ -4,19 +4,24 @@ a topic that does not exist yet, and a record batch the broker refuses whole."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from outbox_kafka import Event
-from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker
+from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.operations import remaining_work, requeue_events, unpark_keys
 from outbox_kafka.relay import Relay
 from outbox_kafka.relay.config import RelaySettings
-from tests.relay_support import consume_all, make_settings, per_key_order, rows, topic_outbox
+from tests.relay_support import (
+    NO_POISON,
+    consume_all,
+    make_settings,
+    per_key_order,
+    rows,
+    topic_outbox,
+)
 
 
 def _drain(settings: RelaySettings) -> None:
@@ -74,33 +79,12 @@ def test_events_for_a_missing_topic_wait_in_order_until_it_is_created(
     assert per_key_order(records) == expected
 
 
-@pytest.fixture
-def validating_broker(work_dir: Path) -> Iterator[tuple[EmbeddedBroker, Path]]:
-    """A broker of its own that checks every record of a topic against ``<topic>.json``
-    in its schema folder, refusing a whole record batch when one record fails."""
-    log_dir = work_dir / f"validating-{uuid.uuid4().hex[:8]}"
-    schemas = log_dir / "schemas"
-    schemas.mkdir(parents=True)
-    broker = start_broker(log_dir, schema_registry=schemas)
-    try:
-        yield broker, schemas
-    finally:
-        broker.stop()
-
-
-#: Refuses a record whose envelope's data says {"poison": true}.
-_NO_POISON = (
-    '{"type": "object", "properties": {"value": {"not": {"type": "object", "required": '
-    '["data"], "properties": {"data": {"type": "object", "required": ["poison"]}}}}}}'
-)
-
-
 def test_a_refused_record_batch_discards_only_the_event_the_broker_refuses_alone(
     engine: sa.Engine, database_url: str, validating_broker: tuple[EmbeddedBroker, Path]
 ) -> None:
     broker, schemas = validating_broker
     topic = f"strict-{uuid.uuid4().hex[:12]}"
-    (schemas / f"{topic}.json").write_text(_NO_POISON)
+    (schemas / f"{topic}.json").write_text(NO_POISON)
     _create(broker.bootstrap, topic, partitions=1)
     outbox = topic_outbox()
     events = [Event(type="t.e", key=k, topic=topic, data={"i": i}) for i in range(3) for k in "abc"]

@@ -52,7 +52,7 @@ from sqlalchemy.engine import make_url
 
 from outbox_kafka import Event, Outbox, migrate
 from outbox_kafka.database import make_engine
-from outbox_kafka.demo.embedded import EmbeddedBroker, start_broker
+from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.errors import InvalidSelection
 from outbox_kafka.naming import TableNames
 from outbox_kafka.operations import Selection, check_consistency, purge, requeue, unpark
@@ -401,20 +401,6 @@ def scenario_database(private_postgres: PrivatePostgres) -> Iterator[tuple[str, 
         yield name, engine
     finally:
         engine.dispose()
-
-
-@pytest.fixture
-def validating_broker(tmp_path: Path) -> Iterator[tuple[EmbeddedBroker, Path]]:
-    """The scenario's broker: it checks each record of a topic that has a ``<topic>.json``
-    schema in its folder and refuses the whole record batch when one record fails."""
-    log_dir = tmp_path / "broker"
-    schemas = log_dir / "schemas"
-    schemas.mkdir(parents=True)
-    broker = start_broker(log_dir, schema_registry=schemas)
-    try:
-        yield broker, schemas
-    finally:
-        broker.stop()
 
 
 def test_operators_relays_and_writers_at_once(
