@@ -246,12 +246,15 @@ class LogRelay:
         """Publish until :meth:`stop`: waits while another session reads the slot, and
         reads again from the last acknowledgement after a database failure, backing off."""
         backoff = self.settings.backoff_base
+        #: The slot could not be read: once it is, it is sampled at once (the gauge).
+        unusable = False
         try:
             while not self._stop.is_set():
                 try:
                     self.step(self.settings.poll_interval)
                     self.metrics.waiting.set(0)
-                    self._sample_when_due()
+                    self._sample_when_due(force=unusable)
+                    unusable = False
                     backoff = self.settings.backoff_base
                     if self.stalled is None:
                         self.problem = None
@@ -265,6 +268,7 @@ class LogRelay:
                     # slot made again without a restart.
                     self.metrics.waiting.set(0)
                     self.metrics.slot_lost.set(1)
+                    unusable = True
                     self.problem = str(exc)
                     self.last_cycle_at = time.monotonic()
                     log.error("log relay: " + str(exc), extra={"action": "log_slot_unusable"})

@@ -232,3 +232,32 @@ def test_a_lost_slot_fails_the_relay_loudly(
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert f"outbox-kafka relay: error: {message}" in done.stderr
+
+
+def test_a_slot_made_again_is_read_and_said_at_once(
+    lost_slot_engine: sa.Engine, log_url: str, kafka_bootstrap: str
+) -> None:
+    """An operator drops the lost slot and makes it again while the relay runs: the
+    relay reads it without a restart, and its gauge and readiness say so at once, not
+    after the next sample (an hour away here)."""
+    relay = LogRelay(make_settings(log_url, kafka_bootstrap, sample_interval=3600.0))
+    registry = relay.metrics.registry
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not registry.get_sample_value("outbox_log_slot_lost"):
+            assert time.monotonic() < deadline, relay.loop_problem(1.0)
+            time.sleep(0.05)
+        with lost_slot_engine.connect() as conn:
+            auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+            auto.exec_driver_sql(f"SELECT pg_drop_replication_slot('{NAMES.log_slot}')")
+        set_up_log(lost_slot_engine, NAMES)
+        deadline = time.monotonic() + 20
+        while registry.get_sample_value("outbox_log_slot_lost") or relay.loop_problem(1.0):
+            assert time.monotonic() < deadline, relay.loop_problem(1.0)
+            time.sleep(0.05)
+    finally:
+        relay.stop()
+        thread.join(30)
+    assert not thread.is_alive()
