@@ -207,11 +207,6 @@ def _cmd_log_relay(args: argparse.Namespace, stopping: _StopSignals) -> int:
             "--source log serves one outbox; --outboxes-file is for the polling relay"
         )
     settings = relay_settings(args, None)
-    if settings.create_topics is not None:
-        raise OutboxError(
-            "--source log creates no topic: create the topics its events name before it "
-            "sends them (--create-topics is the polling relay's)"
-        )
     configure_logging(args.log_format, args.log_level, secrets=list(settings.secret_values()))
     port = _metrics_port(args)
     relay = LogRelay(settings)

@@ -62,7 +62,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_kafka.database import make_engine
 from outbox_kafka.log_frames import FramedEvent
-from outbox_kafka.relay.batch import ClaimedEvent, Verdict
+from outbox_kafka.relay.batch import ClaimedEvent, Problem, Verdict
 from outbox_kafka.relay.claim import EventChecks
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.decide import dead_letter_copy, over_topic_limit
@@ -70,7 +70,7 @@ from outbox_kafka.relay.lease import metadata_wait
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
 from outbox_kafka.relay.ports import Message
 from outbox_kafka.relay.send import broker_problem, classify, needs_rebuild
-from outbox_kafka.relay.topic_limits import TopicLimits
+from outbox_kafka.relay.topic_admin import TopicLimits, create_topic
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.stored_headers import message_size
 
@@ -187,10 +187,11 @@ class LogRelay:
         #: Times the producer was replaced since the relay started.
         self.rebuilds = 0
         self._admin: AdminClient | None = None
+        self._metadata_timeout = metadata_wait(settings.lease_seconds)
         #: Each topic's max.message.bytes, where the broker tells it.
-        self._limits = TopicLimits(
-            config, self._admin_client, metadata_wait(settings.lease_seconds)
-        )
+        self._limits = TopicLimits(config, self._admin_client, self._metadata_timeout)
+        #: With --create-topics: the topics found on the broker, or made, so far.
+        self._known_topics: set[str] = set()
         #: The end LSN of the last transaction with an event in a record batch the
         #: broker refused, until the stream is read again.
         self._refused_through: int | None = None
@@ -444,6 +445,7 @@ class LogRelay:
                 (Verdict.PERMANENT, known[1])
                 if known is not None
                 else self._checks.problem(_as_claimed(event), key)
+                or self._missing_topic(event.topic)
                 or over_topic_limit(
                     Message(event.topic, key, event.value, event.headers),
                     self._limits,
@@ -460,6 +462,30 @@ class LogRelay:
             else:
                 self._produce(event, entry)
         self._produce_copies()
+
+    def _missing_topic(self, topic: str) -> Problem | None:
+        """With --create-topics, ``topic`` made if the broker does not have it; why it
+        could not be (its event stalls the stream). Without, None: the send tells."""
+        partitions = self.settings.create_topics
+        if partitions is None or topic in self._known_topics:
+            return None
+        try:
+            listed = self._producer.list_topics(topic, timeout=self._metadata_timeout).topics
+        except KafkaException:
+            return None  # the broker is away: the send tells
+        error = listed[topic].error if topic in listed else None
+        missing = topic not in listed or (
+            isinstance(error, KafkaError)
+            and error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
+        )
+        if not missing:
+            if error is None:
+                self._known_topics.add(topic)
+            return None  # there, or refused otherwise (not granted): the send tells
+        problem = create_topic(self._admin_client(), topic, partitions)
+        if problem is None:
+            self._known_topics.add(topic)
+        return problem
 
     def _wait_for_reports(self) -> None:
         """Serve delivery reports until every message produced has one (or the delivery

@@ -27,10 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import (  # type: ignore[attr-defined]
-    AdminClient,
-    NewTopic,
-)
+from confluent_kafka.admin import AdminClient
 
 from outbox_kafka.errors import ConfigurationError, StorageError
 from outbox_kafka.limits import KAFKA_MESSAGE_MAX_BYTES
@@ -48,7 +45,7 @@ from outbox_kafka.relay.lease import Lease, metadata_wait
 from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.recover import READ_BACK_MARGIN, ReadBackError, Recovery
-from outbox_kafka.relay.topic_limits import TOPIC_LIMIT_SECONDS, TopicLimits
+from outbox_kafka.relay.topic_admin import TOPIC_LIMIT_SECONDS, TopicLimits, create_topic
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.config import RelaySettings
@@ -537,31 +534,10 @@ class Publisher:
 
     def _create(self, topic: str) -> Problem | None:
         assert self._create_partitions is not None
-        futures = self._admin_client().create_topics(
-            [NewTopic(topic, self._create_partitions, -1)], request_timeout=10
-        )
-        try:
-            futures[topic].result(timeout=15)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
-                return (
-                    Verdict.HELD,
-                    f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc} (its events wait)",
-                )
-            # Another process created it first: it is there, and that one logged it.
-            log.debug("topic already exists", extra={"action": "topic_exists", "topic": topic})
-        else:
-            log.info(
-                "created topic",
-                extra={
-                    "action": "create_topic",
-                    "topic": topic,
-                    "partitions": self._create_partitions,
-                },
-            )
-        self._known_topics.add(topic)
-        return None
+        problem = create_topic(self._admin_client(), topic, self._create_partitions)
+        if problem is None:
+            self._known_topics.add(topic)
+        return problem
 
     def partition_count(self, topic: str) -> int | None:
         """How many partitions ``topic`` has (read again after a minute, so that
@@ -587,7 +563,7 @@ class Publisher:
 
     def message_limit(self, topic: str) -> int | None:
         """The largest message ``topic`` takes, where the broker tells it
-        (:class:`~outbox_kafka.relay.topic_limits.TopicLimits`)."""
+        (:class:`~outbox_kafka.relay.topic_admin.TopicLimits`)."""
         return self._topic_limits(topic)
 
     # Sending --------------------------------------------------------------

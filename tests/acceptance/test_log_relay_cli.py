@@ -10,10 +10,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import sqlalchemy as sa
+from confluent_kafka.admin import AdminClient
 
 from tests.log_support import LOG_CHECK_LINES, log_database, log_outbox
 from tests.relay_support import consume_all, per_key_order
@@ -193,7 +195,24 @@ def test_check_reports_what_the_log_mode_needs(log_url: str, kafka_bootstrap: st
     assert done.returncode == 1, done.stderr
 
 
-def test_it_refuses_create_topics_which_it_would_not_do(log_url: str, kafka_bootstrap: str) -> None:
-    done = _run(_args(log_url, kafka_bootstrap, "--drain", "--create-topics", "1"), timeout=60)
-    assert done.returncode == 2, done.stderr
-    assert "relay: error: --source log creates no topic" in done.stderr
+def test_create_topics_makes_a_missing_topic_before_its_first_event(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str
+) -> None:
+    topic = f"made-{uuid.uuid4().hex[:12]}"
+    _emit(log_engine, topic, "k", 1, 5)
+    args = _args(
+        log_url, kafka_bootstrap, "--drain", "--create-topics", "3", "--log-format", "json"
+    )
+    done = _run(args, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "published 5 events from the log" in done.stdout
+    logged = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert [(e["topic"], e["partitions"]) for e in logged if e.get("action") == "create_topic"] == [
+        (topic, 3)
+    ]
+    metadata = AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(topic, timeout=10)
+    assert len(metadata.topics[topic].partitions) == 3
+    records = consume_all(kafka_bootstrap, topic, 5)
+    (ids,) = per_key_order(records).values()
+    by_id = {r.event_id: r.value["data"]["n"] for r in records}
+    assert [by_id[i] for i in ids] == [1, 2, 3, 4, 5]

@@ -1,20 +1,30 @@
-"""Each topic's largest message, as the broker tells it: the topic's
-``max.message.bytes`` (DescribeConfigs), which may be below the producer's
-``message.max.bytes``. A message over it is refused by the broker, in a delivery
-report that names its whole record batch; found before producing, it is refused
-alone."""
+"""What the relay asks of the broker about topics, through its admin client.
+
+- Each topic's largest message: the topic's ``max.message.bytes``
+  (DescribeConfigs), which may be below the producer's ``message.max.bytes``. A
+  message over it is refused by the broker, in a delivery report that names its
+  whole record batch; found before producing, it is refused alone.
+- Creating a topic that is missing, under ``--create-topics``.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AdminClient,
     ConfigResource,
+    NewTopic,
     ResourceType,
 )
+
+from outbox_kafka.relay.batch import Problem, Verdict
+
+log = logging.getLogger("outbox_kafka.publisher")
 
 #: How long a topic's max.message.bytes, as the broker told it, is trusted: read
 #: again after that, so that a limit an operator raises takes effect.
@@ -60,3 +70,27 @@ class TopicLimits:
             limit = None  # the broker's answer to the send decides
         self._limits[topic] = (limit, now)
         return limit
+
+
+def create_topic(admin: AdminClient, topic: str, partitions: int) -> Problem | None:
+    """Create ``topic`` with ``partitions`` partitions (the broker's replication factor);
+    None once it exists (made here, or by another process first), else why not: its
+    events wait (HELD)."""
+    futures = admin.create_topics([NewTopic(topic, partitions, -1)], request_timeout=10)
+    try:
+        futures[topic].result(timeout=15)
+    except KafkaException as exc:
+        err = exc.args[0] if exc.args else None
+        if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
+            return (
+                Verdict.HELD,
+                f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc} (its events wait)",
+            )
+        # Another process created it first: it is there, and that one logged it.
+        log.debug("topic already exists", extra={"action": "topic_exists", "topic": topic})
+    else:
+        log.info(
+            "created topic",
+            extra={"action": "create_topic", "topic": topic, "partitions": partitions},
+        )
+    return None
