@@ -197,11 +197,18 @@ class LogRelay:
         self._refused_through: int | None = None
         #: Transactions up to this end LSN are sent one message at a time.
         self._alone_through: int | None = None
-        #: By event id: events found to be such as Kafka will never take, with their
-        #: transaction's end LSN and why, until acknowledged. The verdict outlives the
-        #: producer: a broker may fence a producer after refusing one of its messages,
-        #: and the stream, read again, must not send the event to be refused again.
-        self._never: dict[uuid.UUID, tuple[int, str]] = {}
+        #: By (its transaction's end LSN, event id): why Kafka will never take the event.
+        #: The verdict outlives the producer: a broker may fence a producer after
+        #: refusing one of its messages, and the stream, read again after a rebuild or a
+        #: refused batch, must not send the event to be refused again. Forgotten once
+        #: acknowledged, and at a stall (an operator may mend what refused it).
+        self._never: dict[tuple[int, uuid.UUID], str] = {}
+        #: The first failure of the round is a record batch the broker refused.
+        self._failure_is_refusal = False
+        #: After the stream is read again: the end LSN of the last transaction that was
+        #: in flight before (0 once read again), so that a drain does not take the
+        #: wait before the first re-read transaction for quiet.
+        self._catch_up_to = 0
         #: What is checked of each event before it is produced (as the polling relay does).
         self._checks = EventChecks(int(config["message.max.bytes"]))
         self._in_flight: deque[_InFlight] = deque()
@@ -283,6 +290,7 @@ class LogRelay:
                         extra={"action": "log_reconnect", "error": str(exc).strip()},
                     )
                     self._abandon()
+                    self._rebuild_if_due()
                     self._sample_when_due(force=True)
                     self._stop.wait(backoff)
                     backoff = min(self.settings.backoff_cap, backoff * 2)
@@ -310,6 +318,8 @@ class LogRelay:
             if room > 0:
                 wait = 0.0 if self._in_flight else timeout
                 for transaction in self.reader.read(wait, max_events=room):
+                    if self._failure is not None or self._producer_dead:
+                        break  # read again after the failure, from the last acknowledgement
                     self._send(transaction)
                 self._count_strays()
         elif not self._purged:
@@ -347,7 +357,7 @@ class LogRelay:
             # messages may stream on without end.
             if got or not self._reading or any(entry.size for entry in self._in_flight):
                 quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= idle:
+            elif time.monotonic() - quiet_since >= idle and not self._catch_up_to:
                 return published
         raise LogStalled(f"the stream did not go quiet within {deadline:.0f} s")
 
@@ -437,12 +447,21 @@ class LogRelay:
         entry = _InFlight(transaction.end_lsn, size, size)
         self._in_flight.append(entry)
         self._events_in_flight += size
+        if self._catch_up_to and transaction.end_lsn >= self._catch_up_to:
+            self._catch_up_to = 0
         alone = self._alone_through is not None and transaction.end_lsn <= self._alone_through
-        for event in transaction.events:
+        for index, event in enumerate(transaction.events):
+            if self._failure is not None or self._producer_dead:
+                # Known to fail: the rest is not produced (it would overtake the failed
+                # event), and the transaction is read again with it.
+                entry.failed = True
+                entry.remaining -= size - index
+                break
+            self.reader.keep_alive()  # the checks may wait for the broker
             key = event.key.encode("utf-8")
-            known = self._never.get(event.event_id)
+            known = self._never.get((transaction.end_lsn, event.event_id))
             problem = (
-                (Verdict.PERMANENT, known[1])
+                (Verdict.PERMANENT, known)
                 if known is not None
                 else self._checks.problem(_as_claimed(event), key)
                 or self._missing_topic(event.topic)
@@ -491,7 +510,12 @@ class LogRelay:
         """Serve delivery reports until every message produced has one (or the delivery
         timeout has passed), telling the server the session lives meanwhile."""
         deadline = time.monotonic() + self.settings.effective_delivery_timeout_ms / 1000 + 1
-        while len(self._producer) and not self._producer_dead and time.monotonic() < deadline:
+        while (
+            len(self._producer)
+            and not self._producer_dead
+            and not self._stop.is_set()
+            and time.monotonic() < deadline
+        ):
             self._poll(0.05)
             self.reader.keep_alive()
 
@@ -525,7 +549,10 @@ class LogRelay:
                 )
                 return
             except BufferError:
-                self._producer.poll(0.1)
+                self._poll(0.1)
+                if self._producer_dead:
+                    self._fail(event, entry, "the Kafka producer failed fatally")
+                    return
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else exc
                 self._producer_failed(err)
@@ -540,7 +567,7 @@ class LogRelay:
         if entry.abandoned:
             return
         if verdict == Verdict.PERMANENT:
-            self._never[event.event_id] = (entry.end_lsn, why)
+            self._never[(entry.end_lsn, event.event_id)] = why
         dead_letter = self.settings.dead_letter_topic
         if verdict == Verdict.PERMANENT and dead_letter and self._failure is None:
             copy = dead_letter_copy(
@@ -558,14 +585,17 @@ class LogRelay:
                 self._copies.append((copy, entry, event, why))
                 return
             why += f"; its dead-letter copy ({size} bytes) is too large as well"
-        self._fail(event, entry, why)
+        self._fail(event, entry, why, refused_batch=verdict == Verdict.BATCH_REJECTED)
 
-    def _fail(self, event: FramedEvent, entry: _InFlight, why: str) -> None:
+    def _fail(
+        self, event: FramedEvent, entry: _InFlight, why: str, *, refused_batch: bool = False
+    ) -> None:
         """``event`` was not published: the stream stops before its transaction."""
         if self._failure is None:
             self._failure = (
                 f"event {event.event_id} (key {event.key!r}, topic {event.topic!r}): {why}"
             )
+            self._failure_is_refusal = refused_batch
         entry.failed = True
         entry.remaining -= 1
 
@@ -620,7 +650,10 @@ class LogRelay:
                 )
                 return
             except BufferError:
-                self._producer.poll(0.1)
+                self._poll(0.1)
+                if self._producer_dead:
+                    report(KafkaError(KafkaError._FATAL, "the Kafka producer failed fatally"), None)
+                    return
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else exc
                 self._producer_failed(err)
@@ -648,7 +681,7 @@ class LogRelay:
             if self._alone_through is not None and last >= self._alone_through:
                 self._alone_through = None
             if self._never:
-                self._never = {i: v for i, v in self._never.items() if v[0] > last}
+                self._never = {k: v for k, v in self._never.items() if k[0] > last}
             self.published += done - set_aside
             self.dead_lettered += set_aside
             self.metrics.published.inc(done - set_aside)
@@ -662,7 +695,7 @@ class LogRelay:
         """Everything in flight is reported and what preceded the failure acknowledged:
         read again from there, after a backoff; at once when the broker refused a record
         batch (its messages are sent again one at a time: no stall yet)."""
-        if self._refused_through is not None:
+        if self._refused_through is not None and self._failure_is_refusal:
             log.warning(
                 "log relay: the broker refused a record batch; its events are sent again "
                 "one at a time",
@@ -686,6 +719,7 @@ class LogRelay:
         )
         self.problem = f"stalled: {self.stalled}"
         self._abandon(keep_stall=True)
+        self._never.clear()
         self._rebuild_if_due()
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self.settings.backoff_cap, self._backoff * 2)
@@ -741,7 +775,15 @@ class LogRelay:
             extra={"action": "rebuild", "reason": why},
         )
         old = self._producer
-        self._producer = self._producer_factory(self._producer_config)
+        try:
+            self._producer = self._producer_factory(self._producer_config)
+        except (KafkaException, ValueError, TypeError) as exc:
+            # Tried again when the stream is next read again, after a backoff.
+            log.error(
+                "log relay: a new Kafka producer could not be made",
+                extra={"action": "rebuild_failed", "error": str(exc)},
+            )
+            return
         self._replace_producer = None
         self._producer_dead = False
         self.rebuilds += 1
@@ -763,12 +805,15 @@ class LogRelay:
         the last acknowledgement)."""
         self.reader.close()
         self._reading = False
+        if self._in_flight:
+            self._catch_up_to = max(self._catch_up_to, self._in_flight[-1].end_lsn)
         for entry in self._in_flight:
             entry.abandoned = True  # their late reports change nothing now
         self._in_flight.clear()
         self._copies.clear()
         self._events_in_flight = 0
         self._failure = None
+        self._failure_is_refusal = False
         if self._refused_through is not None:
             self._alone_through = max(self._alone_through or 0, self._refused_through)
             self._refused_through = None

@@ -242,6 +242,8 @@ def test_a_slot_made_again_is_read_and_said_at_once(
     after the next sample (an hour away here)."""
     relay = LogRelay(make_settings(log_url, kafka_bootstrap, sample_interval=3600.0))
     registry = relay.metrics.registry
+    relay.sample()  # the next is due in an hour
+    assert registry.get_sample_value("outbox_log_slot_lost") == 1
     thread = threading.Thread(target=relay.run)
     thread.start()
     try:

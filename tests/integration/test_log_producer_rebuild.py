@@ -133,8 +133,9 @@ def test_a_producer_whose_deliveries_time_out_is_replaced_after_the_stall(
     worker = threading.Thread(target=relay.run, daemon=True)
     worker.start()
     try:
-        assert wait_for(lambda: relay.published == EVENTS, 30.0), relay.stalled
-        assert relay.loop_problem(1.0) is None
+        assert wait_for(
+            lambda: relay.published == EVENTS and relay.loop_problem(1.0) is None, 30.0
+        ), relay.stalled
     finally:
         relay.stop()
         worker.join(30)
