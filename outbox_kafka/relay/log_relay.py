@@ -264,7 +264,8 @@ class LogRelay:
                     self._sample_when_due(force=unusable)
                     unusable = False
                     backoff = self.settings.backoff_base
-                    if self.stalled is None:
+                    if self.stalled is None and self._reading:
+                        # Not while it waits to read again: what made it is still so.
                         self.problem = None
                 except SlotBusy as exc:
                     self.metrics.waiting.set(1)
@@ -759,6 +760,10 @@ class LogRelay:
     def _read_again_with_a_new_producer(self) -> None:
         """After a fatal error: what was delivered is acknowledged (by the step), the
         rest is read again from there, after a backoff, by a new producer."""
+        self.problem = (
+            f"the Kafka producer failed fatally ({self._replace_producer}); the stream is "
+            "read again by a new one"
+        )
         self._abandon(keep_stall=True)
         self._rebuild_if_due()
         self._retry_at = time.monotonic() + self._backoff

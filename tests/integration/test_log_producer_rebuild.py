@@ -145,3 +145,32 @@ def test_a_producer_whose_deliveries_time_out_is_replaced_after_the_stall(
     assert samples.get_sample_value("outbox_log_stalls_total") == 1
     assert samples.get_sample_value("outbox_log_stalled") == 0
     _assert_all_in_commit_order(kafka_bootstrap, topic)
+
+
+def test_readiness_names_a_fatal_error_until_the_stream_is_read_again(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(1)
+    _write(log_engine, topic)
+    made: list[object] = []
+
+    def factory(config: dict[str, str]) -> object:
+        producer = FailingProducer(config, 4, "raised") if not made else Producer(config)
+        made.append(producer)
+        return producer
+
+    settings = make_settings(log_url, kafka_bootstrap, backoff_base=2.0, backoff_cap=2.0)
+    relay = LogRelay(settings, producer_factory=factory)
+    worker = threading.Thread(target=relay.run, daemon=True)
+    worker.start()
+    try:
+        assert wait_for(lambda: "failed fatally" in (relay.loop_problem(1.0) or ""), 30.0)
+        assert relay.published < EVENTS
+        assert wait_for(
+            lambda: relay.published == EVENTS and relay.loop_problem(1.0) is None, 30.0
+        ), relay.loop_problem(1.0)
+    finally:
+        relay.stop()
+        worker.join(30)
+    assert not worker.is_alive()
+    _assert_all_in_commit_order(kafka_bootstrap, topic)
