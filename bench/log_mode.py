@@ -59,7 +59,7 @@ from .broker import PARTITIONS, Kafka
 from .business import SQL as BUSINESS_SQL
 from .business import BusinessBench, Item
 from .common import BenchContext, Result, Target, load_average, paired_ratios
-from .latency import WRITER_PROCESSES, WRITER_THREADS, WriterJob, write_share
+from .latency import READY_SECONDS, WRITER_PROCESSES, WRITER_THREADS, WriterJob, write_share
 from .processes import RelayProcess
 from .producer import EVENT_TYPE, ROUTES, SCHEMA_DIR, statement
 from .tables import Table
@@ -79,7 +79,6 @@ QUICK_SECONDS = 2.0
 KEYS = 1_000
 #: From handing out the jobs to the first event's due time: writers start, connect.
 START_DELAY = 1.5
-READY_SECONDS = 60.0
 CATCH_UP_SECONDS = 60.0
 #: The consumer's longest wait in a fetch, ms: short, so that it adds little to either mode.
 FETCH_WAIT_MS = 5
