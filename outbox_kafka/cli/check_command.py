@@ -17,7 +17,12 @@ from outbox_kafka.relay.group import OutboxTarget
 from . import output
 from .operator_commands import cmd_check_consistency
 from .options import add_option, add_output_flags, names_from
-from .relay_command import add_relay_parser, outbox_targets, relay_settings
+from .relay_command import (
+    LOG_SERVES_ONE_OUTBOX,
+    add_relay_parser,
+    outbox_targets,
+    relay_settings,
+)
 
 _CHECK_HELP = (
     "Check what a relay with these settings needs: the settings themselves (the same "
@@ -40,22 +45,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     settings: RelaySettings | None = None
     targets: list[OutboxTarget] | None = None
     try:
+        if args.source == "log" and args.outboxes_file:
+            raise OutboxError(LOG_SERVES_ONE_OUTBOX)
         targets = outbox_targets(args)
         settings = relay_settings(args, targets)
     except OutboxError as exc:
         results.append(check("settings", False, str(exc)))
     else:
         register_secrets(settings.secret_values())
-        results.append(
-            check(
-                "settings",
-                True,
-                f"valid: {_tables(settings, targets)}, lease "
-                f"{settings.lease_seconds:g} s, delivery timeout "
-                f"{settings.effective_delivery_timeout_ms} ms, on exhausted: "
-                f"{settings.on_exhausted}",
-            )
+        timeout_ms = f"delivery timeout {settings.effective_delivery_timeout_ms} ms"
+        detail = (
+            f"valid: {_tables(settings, targets)}, {timeout_ms}"
+            if args.source == "log"
+            else f"valid: {_tables(settings, targets)}, lease {settings.lease_seconds:g} s, "
+            f"{timeout_ms}, on exhausted: {settings.on_exhausted}"
         )
+        results.append(check("settings", True, detail))
     results.append(operations.check_schemas(args.schema_dir))
 
     timeout: float = args.check_timeout

@@ -48,6 +48,10 @@ FORCED_EXIT_GRACE = 10.0
 #: Where ``--source`` may take events from.
 SOURCES = ("table", "log")
 
+
+#: Why ``--source log`` with ``--outboxes-file`` is refused (by the relay and by check).
+LOG_SERVES_ONE_OUTBOX = "--source log serves one outbox; --outboxes-file is for the polling relay"
+
 log = logging.getLogger("outbox_kafka.cli")
 
 
@@ -203,9 +207,7 @@ def _cmd_log_relay(args: argparse.Namespace, stopping: _StopSignals) -> int:
     from outbox_kafka.relay.serve import ObservabilityServer
 
     if args.outboxes_file:
-        raise OutboxError(
-            "--source log serves one outbox; --outboxes-file is for the polling relay"
-        )
+        raise OutboxError(LOG_SERVES_ONE_OUTBOX)
     settings = relay_settings(args, None)
     configure_logging(args.log_format, args.log_level, secrets=list(settings.secret_values()))
     port = _metrics_port(args)

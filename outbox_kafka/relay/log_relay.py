@@ -76,6 +76,8 @@ from outbox_kafka.stored_headers import message_size
 
 log = logging.getLogger("outbox_kafka.relay.log")
 
+_SLOT_UNUSABLE = "the slot cannot be read: lost or missing"
+
 #: What to do about an event over its topic's max.message.bytes, in this mode.
 _RAISE_IT = "raise it to publish such events"
 
@@ -235,6 +237,8 @@ class LogRelay:
         self.last_cycle_at: float | None = None
         #: What keeps the relay from publishing now (readiness), or None.
         self.problem: str | None = None
+        #: ``problem`` in a few words, without details: what ``/readyz`` says.
+        self._problem_kind = ""
         #: A lost or missing slot, as the last sample found it.
         self._slot_problem: str | None = None
         self._strays_counted = (0, 0, 0)
@@ -269,7 +273,7 @@ class LogRelay:
                         self.problem = None
                 except SlotBusy as exc:
                     self.metrics.waiting.set(1)
-                    self.problem = str(exc)
+                    self.problem, self._problem_kind = str(exc), "another relay reads the slot"
                     self.last_cycle_at = time.monotonic()
                     self._stop.wait(self.settings.poll_interval)
                 except SlotUnusable as exc:
@@ -278,13 +282,14 @@ class LogRelay:
                     self.metrics.waiting.set(0)
                     self.metrics.slot_lost.set(1)
                     unusable = True
-                    self.problem = str(exc)
+                    self.problem, self._problem_kind = str(exc), _SLOT_UNUSABLE
                     self.last_cycle_at = time.monotonic()
                     log.error("log relay: " + str(exc), extra={"action": "log_slot_unusable"})
                     self._stop.wait(backoff)
                     backoff = min(self.settings.backoff_cap, backoff * 2)
                 except psycopg2.Error as exc:
                     self.problem = f"the database failed: {exc}".strip()
+                    self._problem_kind = "the database failed; reading again"
                     log.error(
                         "log relay: the database failed; reading again from the last "
                         "acknowledgement",
@@ -435,6 +440,15 @@ class LogRelay:
         lost or missing slot)."""
         return self.problem or self._slot_problem
 
+    def problem_kind(self) -> str:
+        """For ``/readyz``: what :meth:`loop_problem` says, in a few words and without its
+        details (the log has them)."""
+        if self.problem is not None and self._problem_kind:
+            return self._problem_kind
+        if self._slot_problem is not None:
+            return _SLOT_UNUSABLE
+        return "not publishing"
+
     def kafka_problem(self, timeout: float) -> str | None:
         """For readiness: whether the producer reaches a broker."""
         return broker_problem(self._producer, timeout)
@@ -484,10 +498,11 @@ class LogRelay:
         self._produce_copies()
 
     def _missing_topic(self, topic: str) -> Problem | None:
-        """With --create-topics, ``topic`` made if the broker does not have it; why it
-        could not be (its event stalls the stream). Without, None: the send tells."""
+        """Why ``topic``, looked up the first time, is not there to send to: missing and
+        topic creation off, or not made (with --create-topics, a missing topic is made).
+        Its event stalls the stream. None when it is there, or the broker does not say."""
         partitions = self.settings.create_topics
-        if partitions is None or topic in self._known_topics:
+        if topic in self._known_topics:
             return None
         try:
             listed = self._producer.list_topics(topic, timeout=self._metadata_timeout).topics
@@ -502,6 +517,12 @@ class LogRelay:
             if error is None:
                 self._known_topics.add(topic)
             return None  # there, or refused otherwise (not granted): the send tells
+        if partitions is None:
+            return (
+                Verdict.HELD,
+                f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
+                "(create it, or run the relay with --create-topics <partitions>)",
+            )
         problem = create_topic(self._admin_client(), topic, partitions)
         if problem is None:
             self._known_topics.add(topic)
@@ -719,6 +740,7 @@ class LogRelay:
             f"{self.reader.acknowledged:X}"
         )
         self.problem = f"stalled: {self.stalled}"
+        self._problem_kind = "stalled at an event Kafka does not take"
         self._abandon(keep_stall=True)
         self._never.clear()
         self._rebuild_if_due()
@@ -764,6 +786,7 @@ class LogRelay:
             f"the Kafka producer failed fatally ({self._replace_producer}); the stream is "
             "read again by a new one"
         )
+        self._problem_kind = "the Kafka producer failed; reading again with a new one"
         self._abandon(keep_stall=True)
         self._rebuild_if_due()
         self._retry_at = time.monotonic() + self._backoff

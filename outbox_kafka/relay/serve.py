@@ -513,8 +513,6 @@ DATABASE_FAILURE = "unreachable"
 KAFKA_FAILURE = "no broker reachable"
 #: What ``/readyz`` says about an outbox whose loop failed and waits for its restart.
 LOOP_FAILURE = "failed, restarting"
-#: A log-mode relay that does not publish now; its log says why.
-LOG_FAILURE = "not publishing: stalled, or the slot is read by another relay"
 
 
 @dataclass(frozen=True)
@@ -650,7 +648,7 @@ class HealthChecks:
         | Mapping[str, Callable[[float], str | None]],
         kafka_problem: Callable[[float], str | None],
         loop_problem: Mapping[str, Callable[[float], str | None]] | None = None,
-        loop_failure: str = LOOP_FAILURE,
+        loop_failure: str | Callable[[], str] = LOOP_FAILURE,
         timeout: float = 2.0,
         cache_seconds: float = 1.5,
         log_interval: float = 60.0,
@@ -710,7 +708,7 @@ class HealthChecks:
             database_problem=_pinging(monitor),
             kafka_problem=relay.kafka_problem,
             loop_problem={"log": relay.loop_problem},
-            loop_failure=LOG_FAILURE,
+            loop_failure=relay.problem_kind,
             on_close=monitor.close,
         )
 
@@ -780,7 +778,10 @@ class HealthChecks:
             except Exception as exc:  # a probe must answer, whatever the client raised
                 problem = f"{type(exc).__name__}: {exc}"
             self.failures.record(name, problem)
-            details[name] = OK if problem is None else failure
+            if problem is None:
+                details[name] = OK
+            else:
+                details[name] = failure() if callable(failure) else failure
         return HealthStatus(all(v == OK for v in details.values()), details)
 
     def close(self) -> None:

@@ -148,7 +148,9 @@ def test_a_second_relay_waits_then_takes_over_when_the_first_is_killed(
         assert _wait(lambda: _gauge(ports[1], "outbox_log_waiting_for_slot") == 1.0, 60), _ready(
             ports[1]
         )
-        assert _ready(ports[1])[0] == 503
+        status, body = _ready(ports[1])
+        assert status == 503
+        assert json.loads(body)["loop:log"] == "another relay reads the slot", body
         assert consume_all(kafka_bootstrap, topic, 20)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(30)
@@ -193,6 +195,24 @@ def test_check_reports_what_the_log_mode_needs(log_url: str, kafka_bootstrap: st
     # The test database is set up without log-setup's revoke: only that line fails.
     assert [name for name, (ok, _) in lines.items() if not ok] == ["emit privilege"]
     assert done.returncode == 1, done.stderr
+    # Nothing of the polling relay's retries in the settings line.
+    assert lines["settings"][1] == "valid: table public.outbox, delivery timeout 10000 ms"
+
+
+def test_check_refuses_several_outboxes_as_the_relay_does(
+    log_url: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    outboxes = tmp_path / "outboxes.toml"
+    outboxes.write_text(f'[outboxes.main]\ndatabase_url = "{log_url}"\n')
+    args = ["--source", "log", "--outboxes-file", str(outboxes)]
+    args += ["--bootstrap-servers", kafka_bootstrap]
+    checked = _run([CLI, "check", *args, "--check-timeout", "5", "--json"], timeout=60)
+    lines = {c["name"]: (c["ok"], c["detail"]) for c in json.loads(checked.stdout)["checks"]}
+    relayed = _run([CLI, "relay", *args, "--drain"], timeout=60)
+    said = "--source log serves one outbox; --outboxes-file is for the polling relay"
+    assert lines["settings"] == (False, said)
+    assert checked.returncode == 1
+    assert relayed.returncode == 2 and said in relayed.stderr
 
 
 def test_create_topics_makes_a_missing_topic_before_its_first_event(

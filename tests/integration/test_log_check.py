@@ -211,6 +211,7 @@ def test_a_lost_slot_fails_the_relay_loudly(
                 assert time.monotonic() < deadline, relay.loop_problem(1.0)
                 time.sleep(0.05)
             assert relay.loop_problem(1.0) == message
+            assert relay.problem_kind() == "the slot cannot be read: lost or missing"
         finally:
             relay.stop()
             thread.join(30)

@@ -16,12 +16,13 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from outbox_kafka.demo.embedded import EmbeddedBroker
 from outbox_kafka.log_frames import FramedEvent, encode_frame
 from outbox_kafka.relay.log_reader import LogReader
 from outbox_kafka.relay.log_relay import LogRelay, LogStalled
 
 from ..log_support import NAMES, keys_and_ns, log_outbox
-from ..relay_support import consume_all, make_settings, per_key_order
+from ..relay_support import TcpProxy, consume_all, make_settings, per_key_order
 
 
 def _emit(conn: sa.Connection, topic: str, key: str, n: int) -> None:
@@ -266,7 +267,8 @@ def test_a_stall_holds_the_stream_until_kafka_takes_the_event_then_goes_on(
         assert wait_for(lambda: relay.stalled is not None, 30.0), "no stall"
         problem = relay.loop_problem(1.0)
         assert problem is not None and problem.startswith("stalled: event ")
-        assert late in problem
+        assert f"UNKNOWN_TOPIC: topic {late!r} does not exist and topic creation is off" in problem
+        assert relay.problem_kind() == "stalled at an event Kafka does not take"
         assert relay.metrics.registry.get_sample_value("outbox_log_stalled") == 1
         assert relay.published == 1
         admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
@@ -348,24 +350,34 @@ def _walsender_pids(engine: sa.Engine) -> list[int]:
 
 
 def test_a_wait_for_kafka_longer_than_wal_sender_timeout_keeps_the_session(
-    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+    log_engine: sa.Engine, log_url: str, proxied_broker: tuple[TcpProxy, EmbeddedBroker]
 ) -> None:
     """While events are in flight the relay reads nothing; it tells the server it
     lives often enough for the server's wal_sender_timeout (2 s here, for a wait of
-    Kafka's 3 s delivery timeout), so the session is the same one throughout."""
+    Kafka's 3 s delivery timeout: the broker stops answering), so the session is the
+    same one throughout."""
+    proxy, _ = proxied_broker
+    topic = "waited-for"
+    admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{proxy.port}"})
+    for future in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        future.result(30)
     with log_engine.connect() as conn:
         auto = conn.execution_options(isolation_level="AUTOCOMMIT")
         auto.exec_driver_sql("ALTER SYSTEM SET wal_sender_timeout = '2s'")
         auto.exec_driver_sql("SELECT pg_reload_conf()")
     try:
         with log_engine.begin() as conn:
-            _emit(conn, f"missing-{new_topic(1)}", "k", 1)
-        relay = LogRelay(make_settings(log_url, kafka_bootstrap))
+            _emit(conn, topic, "k", 1)
+        relay = LogRelay(make_settings(log_url, f"127.0.0.1:{proxy.port}"))
         relay.open()
         try:
+            assert relay.drain(idle=0.5) == 1  # the topic is known now
+            with log_engine.begin() as conn:
+                _emit(conn, topic, "k", 2)
+            proxy.hang()
             assert relay.step(0.5) == 0  # produced, waiting for Kafka
             pids = set(_walsender_pids(log_engine))
-            assert len(pids) == 1
+            assert len(pids) == 1, (relay.stalled, relay.problem, relay.loop_problem(1.0))
             deadline = time.monotonic() + 30
             while relay.stalled is None:
                 assert time.monotonic() < deadline, "no stall"
@@ -373,8 +385,9 @@ def test_a_wait_for_kafka_longer_than_wal_sender_timeout_keeps_the_session(
                 if relay.stalled is None:
                     assert set(_walsender_pids(log_engine)) == pids
         finally:
+            proxy.restore()
             relay.close(0)
-        assert "missing-" in relay.stalled
+        assert f"topic {topic!r}" in relay.stalled
     finally:
         with log_engine.connect() as conn:
             auto = conn.execution_options(isolation_level="AUTOCOMMIT")
