@@ -529,7 +529,9 @@ def add_relay_parser(
         default="table",
         help="where the events come from: 'table', the outbox's tables (polled); 'log', "
         "the write-ahead log, read from the outbox's replication slot, for producers "
-        "with Outbox(write_to='log') (see docs/reference/api.md)",
+        "with Outbox(write_to='log') (see docs/reference/api.md); with 'log', the "
+        "options of retries, parking, retention and several outboxes do not apply (see "
+        "docs/reference/cli.md#relay---source-log)",
     )
     add_option(
         p,

@@ -60,11 +60,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from outbox_kafka.database import make_engine
+from outbox_kafka.database import make_engine, redact_url
 from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.batch import ClaimedEvent, Problem, Verdict
 from outbox_kafka.relay.claim import EventChecks
-from outbox_kafka.relay.config import RelaySettings
+from outbox_kafka.relay.config import RelaySettings, redact_kafka_config
 from outbox_kafka.relay.decide import dead_letter_copy, over_topic_limit
 from outbox_kafka.relay.lease import metadata_wait
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
@@ -260,6 +260,15 @@ class LogRelay:
         backoff = self.settings.backoff_base
         #: The slot could not be read: once it is, it is sampled at once (the gauge).
         unusable = False
+        log.info(
+            "log relay started",
+            extra={
+                "action": "start",
+                "database": redact_url(self.settings.database_url),
+                "slot": self.settings.names.log_slot,
+                "kafka": redact_kafka_config(self._producer_config),
+            },
+        )
         try:
             while not self._stop.is_set():
                 try:
@@ -302,6 +311,10 @@ class LogRelay:
                     backoff = min(self.settings.backoff_cap, backoff * 2)
         finally:
             self.close(self.settings.shutdown_timeout)
+            log.info(
+                "log relay stopped",
+                extra={"action": "stop", "acknowledged_lsn": lsn_text(self.reader.acknowledged)},
+            )
 
     def stop(self) -> None:
         self._stop.set()
@@ -735,9 +748,11 @@ class LogRelay:
                 "from the last acknowledgement until Kafka takes it",
                 extra={"action": "log_stalled", "error": failure},
             )
-        self.stalled = (
-            f"{failure}; the stream stops before it, acknowledged up to LSN "
-            f"{self.reader.acknowledged:X}"
+        done = self.reader.acknowledged
+        self.stalled = f"{failure}; the stream stops before it, " + (
+            f"acknowledged up to LSN {lsn_text(done)}"
+            if done
+            else "nothing acknowledged since the relay began reading"
         )
         self.problem = f"stalled: {self.stalled}"
         self._problem_kind = "stalled at an event Kafka does not take"
@@ -893,3 +908,8 @@ def _verdict(err: Any, *, reported: bool = True) -> Verdict:
             return Verdict.RESET
         return classify(err.code(), reported=reported)
     return Verdict.RETRIABLE
+
+
+def lsn_text(lsn: int) -> str:
+    """``lsn`` as PostgreSQL writes it (``pg_lsn``): two hexadecimal halves, ``16/B374D848``."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
