@@ -24,7 +24,6 @@ transaction. ``OUTBOX_MODEL_EXAMPLES`` sets how many sequences to try.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +33,6 @@ from typing import Any
 
 import hypothesis.strategies as st
 from confluent_kafka import KafkaError, KafkaException
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from outbox_kafka import Event, Outbox
@@ -42,6 +40,8 @@ from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.log_reader import LogTransaction, Strays
 from outbox_kafka.relay.log_relay import LogRelay
+
+from .runs import model_settings
 
 TOPIC, DEAD = "t", "dead"
 KEYS = ("a", "b", "c")
@@ -331,13 +331,7 @@ class LogRelayModel(RuleBasedStateMachine):
             self.relay.close(0)
 
 
-LogRelayModel.TestCase.settings = settings(
-    max_examples=int(os.environ.get("OUTBOX_MODEL_EXAMPLES", "60")),
-    stateful_step_count=int(os.environ.get("OUTBOX_MODEL_STEPS", "40")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    derandomize=os.environ.get("OUTBOX_MODEL_RANDOM") != "1",
-)
+LogRelayModel.TestCase.settings = model_settings()
 TestLogRelayModel = LogRelayModel.TestCase
 
 

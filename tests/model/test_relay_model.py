@@ -36,7 +36,6 @@ regression test. ``OUTBOX_MODEL_EXAMPLES`` sets how many sequences to try
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -45,7 +44,6 @@ from typing import Any
 
 import hypothesis.strategies as st
 from confluent_kafka import KafkaError
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tenacity import wait_fixed
 
@@ -67,6 +65,8 @@ from outbox_kafka.relay.config import RelaySettings
 from outbox_kafka.relay.ports import Delivery, Message
 from outbox_kafka.relay.send import classify
 from outbox_kafka.testing import InMemoryStore
+
+from .runs import model_settings
 
 #: Claims in a row a due key may be left out of by the byte budget while a key
 #: that became due after it is served (docs/explanation/guarantees.md).
@@ -687,11 +687,5 @@ class RelayModel(RuleBasedStateMachine):
                 relay.abandon()
 
 
-RelayModel.TestCase.settings = settings(
-    max_examples=int(os.environ.get("OUTBOX_MODEL_EXAMPLES", "60")),
-    stateful_step_count=int(os.environ.get("OUTBOX_MODEL_STEPS", "40")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    derandomize=os.environ.get("OUTBOX_MODEL_RANDOM") != "1",
-)
+RelayModel.TestCase.settings = model_settings()
 TestRelayModel = RelayModel.TestCase
