@@ -69,7 +69,12 @@ from outbox_kafka.relay.decide import dead_letter_copy, over_topic_limit
 from outbox_kafka.relay.lease import metadata_wait
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
 from outbox_kafka.relay.ports import Message
-from outbox_kafka.relay.send import broker_problem, classify, needs_rebuild
+from outbox_kafka.relay.send import (
+    METADATA_RETRY_SECONDS,
+    broker_problem,
+    classify,
+    needs_rebuild,
+)
 from outbox_kafka.relay.topic_admin import TopicLimits, create_topic
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.stored_headers import message_size
@@ -192,8 +197,13 @@ class LogRelay:
         self._metadata_timeout = metadata_wait(settings.lease_seconds)
         #: Each topic's max.message.bytes, where the broker tells it.
         self._limits = TopicLimits(config, self._admin_client, self._metadata_timeout)
-        #: With --create-topics: the topics found on the broker, or made, so far.
+        #: The topics found on the broker, or made, since the last stall.
         self._known_topics: set[str] = set()
+        #: By topic: when its metadata was last asked for and said neither yes nor no.
+        self._asked_at: dict[str, float] = {}
+        #: The highest end LSN acknowledged since the relay started (the reader's own
+        #: count starts again with each session).
+        self._acknowledged_lsn = 0
         #: The end LSN of the last transaction with an event in a record batch the
         #: broker refused, until the stream is read again.
         self._refused_through: int | None = None
@@ -313,7 +323,7 @@ class LogRelay:
             self.close(self.settings.shutdown_timeout)
             log.info(
                 "log relay stopped",
-                extra={"action": "stop", "acknowledged_lsn": lsn_text(self.reader.acknowledged)},
+                extra={"action": "stop", "acknowledged_lsn": lsn_text(self._acknowledged_lsn)},
             )
 
     def stop(self) -> None:
@@ -338,7 +348,9 @@ class LogRelay:
                 wait = 0.0 if self._in_flight else timeout
                 for transaction in self.reader.read(wait, max_events=room):
                     if self._failure is not None or self._producer_dead:
-                        break  # read again after the failure, from the last acknowledgement
+                        # Read again after the failure, from the last acknowledgement.
+                        self._catch_up_to = max(self._catch_up_to, transaction.end_lsn)
+                        continue
                     self._send(transaction)
                 self._count_strays()
         elif not self._purged:
@@ -482,8 +494,7 @@ class LogRelay:
             if self._failure is not None or self._producer_dead:
                 # Known to fail: the rest is not produced (it would overtake the failed
                 # event), and the transaction is read again with it.
-                entry.failed = True
-                entry.remaining -= size - index
+                self._not_produced(entry, size - index)
                 break
             self.reader.keep_alive()  # the checks may wait for the broker
             key = event.key.encode("utf-8")
@@ -504,11 +515,26 @@ class LogRelay:
             elif alone:
                 # Nothing else in its record batch: the broker's answer is about it.
                 self._wait_for_reports()
+                if len(self._producer) or self._failure is not None or self._producer_dead:
+                    # Not alone after all (stopping, or reports overdue), or known to
+                    # fail: the rest waits for the stream to be read again.
+                    if self._failure is None and not self._producer_dead:
+                        self._fail(event, entry, "its one-at-a-time send found others")
+                        self._not_produced(entry, size - index - 1)
+                    else:
+                        self._not_produced(entry, size - index)
+                    break
                 self._produce(event, entry, alone=True)
                 self._wait_for_reports()
             else:
                 self._produce(event, entry)
         self._produce_copies()
+
+    @staticmethod
+    def _not_produced(entry: _InFlight, events: int) -> None:
+        """``events`` of ``entry``'s transaction are not produced: it is read again."""
+        entry.failed = True
+        entry.remaining -= events
 
     def _missing_topic(self, topic: str) -> Problem | None:
         """Why ``topic``, looked up the first time, is not there to send to: missing and
@@ -517,6 +543,10 @@ class LogRelay:
         partitions = self.settings.create_topics
         if topic in self._known_topics:
             return None
+        asked = self._asked_at.get(topic)
+        if asked is not None and time.monotonic() - asked < METADATA_RETRY_SECONDS:
+            return None  # asked moments ago without an answer: the send tells
+        self._asked_at[topic] = time.monotonic()
         try:
             listed = self._producer.list_topics(topic, timeout=self._metadata_timeout).topics
         except KafkaException:
@@ -536,7 +566,13 @@ class LogRelay:
                 f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
                 "(create it, or run the relay with --create-topics <partitions>)",
             )
-        problem = create_topic(self._admin_client(), topic, partitions)
+        try:
+            problem = create_topic(self._admin_client(), topic, partitions)
+        except Exception as exc:  # a timeout, or a request the client refused outright
+            problem = (
+                Verdict.HELD,
+                f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {type(exc).__name__}: {exc}",
+            )
         if problem is None:
             self._known_topics.add(topic)
         return problem
@@ -587,6 +623,9 @@ class LogRelay:
                 self._poll(0.1)
                 if self._producer_dead:
                     self._fail(event, entry, "the Kafka producer failed fatally")
+                    return
+                if self._failure is not None:
+                    self._not_produced(entry, 1)  # it would overtake the failed event
                     return
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else exc
@@ -641,11 +680,13 @@ class LogRelay:
         for copy, entry, event, why in copies:
             if entry.abandoned:
                 continue
-            too_large = over_topic_limit(copy, self._limits, _RAISE_IT)
-            if too_large is None:
+            problem = self._missing_topic(copy.topic) or over_topic_limit(
+                copy, self._limits, _RAISE_IT
+            )
+            if problem is None:
                 self._dead_letter(copy, entry, event, why)
             else:
-                self._fail(event, entry, f"{why}; its dead-letter copy: {too_large[1]}")
+                self._fail(event, entry, f"{why}; its dead-letter copy: {problem[1]}")
 
     def _dead_letter(self, copy: Message, entry: _InFlight, event: FramedEvent, why: str) -> None:
         """Produce ``copy``, the dead-letter copy of ``event``: its delivery is the
@@ -711,6 +752,7 @@ class LogRelay:
             last = head.end_lsn
         if last is not None:
             self.reader.acknowledge(last)
+            self._acknowledged_lsn = max(self._acknowledged_lsn, last)
             if self.stalled is None:
                 self._backoff = self.settings.backoff_base
             if self._alone_through is not None and last >= self._alone_through:
@@ -748,16 +790,19 @@ class LogRelay:
                 "from the last acknowledgement until Kafka takes it",
                 extra={"action": "log_stalled", "error": failure},
             )
-        done = self.reader.acknowledged
+        done = self._acknowledged_lsn
         self.stalled = f"{failure}; the stream stops before it, " + (
             f"acknowledged up to LSN {lsn_text(done)}"
             if done
-            else "nothing acknowledged since the relay began reading"
+            else "nothing acknowledged since the relay started"
         )
         self.problem = f"stalled: {self.stalled}"
         self._problem_kind = "stalled at an event Kafka does not take"
         self._abandon(keep_stall=True)
+        # An operator may mend what failed: a limit raised, a topic made again.
         self._never.clear()
+        self._known_topics.clear()
+        self._asked_at.clear()
         self._rebuild_if_due()
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self.settings.backoff_cap, self._backoff * 2)

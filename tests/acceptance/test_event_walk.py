@@ -45,6 +45,7 @@ HELPERS = {
     "relay.metrics",
     "relay.observe",
     "relay.ports",
+    "relay.topic_admin",
     "schema.statements",
     "stored_headers",
     "topic_names",

@@ -245,7 +245,7 @@ def test_an_event_that_cannot_be_set_aside_stalls_the_stream(
     message = str(stalled.value)
     assert "MSG_SIZE_TOO_LARGE: message is " in message
     assert message.endswith(
-        "the stream stops before it, nothing acknowledged since the relay began reading"
+        "the stream stops before it, nothing acknowledged since the relay started"
     )
     assert ("dead-letter copy" in message) == dead_letter
 

@@ -123,6 +123,8 @@ class Cluster:
     fault: tuple[str, bool] | None = None
     #: Whether a producer is fenced after the broker refuses one of its batches.
     fence_after_refusal: bool = False
+    #: Whether a poll answers only the oldest message queued (the rest stay in flight).
+    one_per_poll: bool = False
 
 
 Pending = tuple[str, bytes, bytes, list[tuple[str, bytes]], Callable[[Any, Any], None]]
@@ -180,7 +182,8 @@ class Producer:
         purged, self.purged = self.purged, []
         for message in purged:
             message[4](_error(KafkaError._PURGE_QUEUE), None)
-        batch, self.pending = self.pending, []
+        cut = 1 if self.cluster.one_per_poll else len(self.pending)
+        batch, self.pending = self.pending[:cut], self.pending[cut:]
         if not batch:
             return len(purged)
         fault, lands = self.cluster.fault or ("", False)
@@ -271,6 +274,10 @@ class LogRelayModel(RuleBasedStateMachine):
     def brokers_fence_after_a_refusal(self, fence: bool) -> None:
         self.cluster.fence_after_refusal = fence
 
+    @rule(slow=st.booleans())
+    def brokers_answer_one_message_per_poll(self, slow: bool) -> None:
+        self.cluster.one_per_poll = slow
+
     @rule(lands=st.booleans())
     def the_relay_is_killed(self, lands: bool) -> None:
         producer = self.producers[-1]
@@ -318,6 +325,7 @@ class LogRelayModel(RuleBasedStateMachine):
         try:
             # Faults healed; a broker that fences a producer after a refusal stays so.
             self.cluster.fault = None
+            self.cluster.one_per_poll = False
             for _ in range(400):
                 if self.slot.confirmed >= self.lsn:
                     break
@@ -327,6 +335,8 @@ class LogRelayModel(RuleBasedStateMachine):
                 f"stuck at {self.slot.confirmed} of {self.lsn}: {self.relay.stalled}"
             )
             self.acknowledged_means_on_kafka()
+            self.only_refused_events_are_set_aside()
+            self.last_copies_in_commit_order()
         finally:
             self.relay.close(0)
 
