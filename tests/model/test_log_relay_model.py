@@ -14,8 +14,9 @@ After every step it checks what docs/explanation/log-mode.md promises:
   topic, or its copy is on the dead-letter topic;
 - an event the broker refuses on its own goes to the dead-letter topic, never to its
   topic; no other event goes to the dead-letter topic;
-- each key's events, by their last copy on the topic, are in commit order (an event
-  sent again after a failure follows every copy sent before it);
+- once everything committed is acknowledged, each key's events, by their last copy
+  on the topic, are in commit order (an event sent again after a failure follows
+  every copy sent before it);
 
 and at the end, with every fault healed, that every committed event reached its
 topic or the dead-letter topic, and the slot is acknowledged past the last
@@ -308,6 +309,12 @@ class LogRelayModel(RuleBasedStateMachine):
         assert {i for _, i in self.cluster.logs[DEAD]} <= self.poisoned
 
     @invariant()
+    def caught_up_in_commit_order(self) -> None:
+        """Whenever everything committed is acknowledged: a re-sent event's copy may be
+        in flight behind an older copy of a later one until then."""
+        if self.slot.confirmed >= self.lsn:
+            self.last_copies_in_commit_order()
+
     def last_copies_in_commit_order(self) -> None:
         last: dict[str, int] = {}
         for place, (_, event_id) in enumerate(self.cluster.logs[TOPIC]):
