@@ -18,8 +18,8 @@ from . import output
 from .operator_commands import cmd_check_consistency
 from .options import add_option, add_output_flags, names_from
 from .relay_command import (
-    LOG_SERVES_ONE_OUTBOX,
     add_relay_parser,
+    log_relay_settings,
     outbox_targets,
     relay_settings,
 )
@@ -45,10 +45,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     settings: RelaySettings | None = None
     targets: list[OutboxTarget] | None = None
     try:
-        if args.source == "log" and args.outboxes_file:
-            raise OutboxError(LOG_SERVES_ONE_OUTBOX)
-        targets = outbox_targets(args)
-        settings = relay_settings(args, targets)
+        if args.source == "log":
+            settings = log_relay_settings(args)
+        else:
+            targets = outbox_targets(args)
+            settings = relay_settings(args, targets)
     except OutboxError as exc:
         results.append(check("settings", False, str(exc)))
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -26,7 +27,7 @@ from outbox_kafka.relay.config import (
     parse_kafka_pair,
 )
 
-from .options import add_database_option, add_flag, add_option, add_table_options
+from .options import add_database_option, add_flag, add_option, add_table_options, env_name
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.group import OutboxTarget, RelayGroup
@@ -52,6 +53,18 @@ SOURCES = ("table", "log")
 #: Why ``--source log`` with ``--outboxes-file`` is refused (by the relay and by check).
 LOG_SERVES_ONE_OUTBOX = "--source log serves one outbox; --outboxes-file is for the polling relay"
 
+#: The options only the polling relay reads, each with the setting it fills.
+POLLING_ONLY = (
+    ("--max-claim-bytes", "max_claim_bytes"),
+    ("--max-attempts", "max_attempts"),
+    ("--on-exhausted", "on_exhausted"),
+    ("--on-unproven", "on_unproven"),
+    ("--no-listen", "listen"),
+    ("--retain-delivered-days", "retain_delivered_seconds"),
+    ("--retain-discarded-days", "retain_discarded_seconds"),
+    ("--purge-interval", "purge_interval"),
+)
+
 log = logging.getLogger("outbox_kafka.cli")
 
 
@@ -67,6 +80,32 @@ def outbox_targets(args: argparse.Namespace) -> list[OutboxTarget] | None:
         table=args.table,
         db_schema=args.db_schema,
     )
+
+
+def log_relay_settings(args: argparse.Namespace) -> RelaySettings:
+    """The settings of ``relay --source log`` (and its check) from its options.
+
+    Refuses ``--outboxes-file``, and each option of :data:`POLLING_ONLY` set to
+    anything but its default (by the option or its variable): the log relay would
+    not use it, and an operator who set it expects what it does.
+    """
+    if args.outboxes_file:
+        raise OutboxError(LOG_SERVES_ONE_OUTBOX)
+    settings = relay_settings(args, None)
+    defaults = {f.name: f.default for f in dataclasses.fields(RelaySettings)}
+    unused = [
+        f"{flag} ({env_name(flag)})"
+        for flag, name in POLLING_ONLY
+        if getattr(settings, name) != defaults[name]
+    ]
+    if unused:
+        raise OutboxError(
+            f"--source log does not use {', '.join(unused)}: only the polling relay "
+            "retries, parks and keeps events in its tables; drop "
+            f"{'them' if len(unused) > 1 else 'it'} (see "
+            "docs/reference/cli.md#relay---source-log)"
+        )
+    return settings
 
 
 def relay_settings(
@@ -206,9 +245,7 @@ def _cmd_log_relay(args: argparse.Namespace, stopping: _StopSignals) -> int:
     from outbox_kafka.relay.log_relay import LogRelay, LogStalled
     from outbox_kafka.relay.serve import ObservabilityServer
 
-    if args.outboxes_file:
-        raise OutboxError(LOG_SERVES_ONE_OUTBOX)
-    settings = relay_settings(args, None)
+    settings = log_relay_settings(args)
     configure_logging(args.log_format, args.log_level, secrets=list(settings.secret_values()))
     port = _metrics_port(args)
     relay = LogRelay(settings)
@@ -530,7 +567,7 @@ def add_relay_parser(
         help="where the events come from: 'table', the outbox's tables (polled); 'log', "
         "the write-ahead log, read from the outbox's replication slot, for producers "
         "with Outbox(write_to='log') (see docs/reference/api.md); with 'log', the "
-        "options of retries, parking, retention and several outboxes do not apply (see "
+        "options of retries, parking, retention and several outboxes are refused (see "
         "docs/reference/cli.md#relay---source-log)",
     )
     add_option(

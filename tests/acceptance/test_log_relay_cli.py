@@ -50,13 +50,16 @@ def _args(log_url: str, bootstrap: str, *extra: str) -> list[str]:
     ]
 
 
-def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run an ``outbox-kafka`` command line to its end, output captured."""
+def _run(
+    command: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run an ``outbox-kafka`` command line to its end, output captured; ``env``
+    adds variables."""
     return subprocess.run(
         command,
         capture_output=True,
         text=True,
-        env=_env(),
+        env={**_env(), **(env or {})},
         timeout=timeout,
         cwd=REPO,
         check=False,
@@ -213,6 +216,34 @@ def test_check_refuses_several_outboxes_as_the_relay_does(
     assert lines["settings"] == (False, said)
     assert checked.returncode == 1
     assert relayed.returncode == 2 and said in relayed.stderr
+
+
+def test_options_of_the_polling_relay_are_refused_with_the_log(
+    log_url: str, kafka_bootstrap: str
+) -> None:
+    """Retries, parking and retention are the polling relay's: set with --source log,
+    by a flag or a variable, they are refused, by the relay and by check alike."""
+    env = {"OUTBOX_PURGE_INTERVAL": "60"}
+    given = ["--max-attempts", "3", "--on-exhausted", "park"]
+    relayed = _run(_args(log_url, kafka_bootstrap, "--drain", *given), timeout=60, env=env)
+    check_args = ["--source", "log", "--database-url", log_url, "--bootstrap-servers"]
+    check_args += [kafka_bootstrap, "--check-timeout", "5", "--json"]
+    checked = _run([CLI, "check", *check_args, *given], timeout=60, env=env)
+    lines = {c["name"]: (c["ok"], c["detail"]) for c in json.loads(checked.stdout)["checks"]}
+    said = (
+        "--source log does not use --max-attempts (OUTBOX_MAX_ATTEMPTS), --on-exhausted "
+        "(OUTBOX_ON_EXHAUSTED), --purge-interval (OUTBOX_PURGE_INTERVAL): only the polling "
+        "relay retries, parks and keeps events in its tables; drop them"
+    )
+    assert relayed.returncode == 2 and said in relayed.stderr, relayed.stderr
+    assert lines["settings"][0] is False and lines["settings"][1].startswith(said)
+    assert checked.returncode == 1
+    # Their defaults, given or not, are what the log relay does anyway.
+    defaults = ["--on-exhausted", "continue", "--max-attempts", "50"]
+    fine = _run([CLI, "check", *check_args, *defaults], timeout=60)
+    assert dict((c["name"], c["ok"]) for c in json.loads(fine.stdout)["checks"])["settings"], (
+        fine.stdout
+    )
 
 
 def test_create_topics_makes_a_missing_topic_before_its_first_event(
