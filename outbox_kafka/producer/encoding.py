@@ -16,6 +16,7 @@ from outbox_kafka.producer.data import DataEncoder, JsonDefault
 from outbox_kafka.producer.envelope import EncodedEvent, EnvelopeTemplate, structured_headers
 from outbox_kafka.producer.event import Event, Route
 from outbox_kafka.producer.event_checks import (
+    cannot_hold,
     check_attribute,
     check_available_at,
     check_delay,
@@ -76,8 +77,11 @@ class EventEncoder:
         json_default: JsonDefault | None = None,
         content_mode: ContentMode = "structured",
         id_header: str | None = None,
+        holds: bool = True,
     ) -> None:
         self._data = DataEncoder(json_default)
+        #: Whether events may be held back (``delay``, ``available_at``): not in the log.
+        self.holds = holds
         #: The CloudEvents Kafka content mode events are stored in (content_modes.py).
         self.content_mode = content_mode
         #: The header each event's id is also sent in, if any; checked by the caller.
@@ -152,6 +156,12 @@ class EventEncoder:
             if event.traceparent is None
             else check_traceparent(event.traceparent)
         )
+        if not self.holds:
+            # Before the values are checked: whatever the hold, it is refused.
+            if event.available_at is not None:
+                raise cannot_hold("available_at")
+            if event.delay is not None:
+                raise cannot_hold("delay")
         available_at = (
             None if event.available_at is None else check_available_at(event.available_at)
         )

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 from outbox_kafka.errors import (
     ConfigurationError,
+    EventError,
     InvalidAttribute,
     InvalidEventType,
     InvalidHeaders,
@@ -131,6 +132,18 @@ def check_available_at(value: object) -> datetime:
 
 #: The longest delay accepted: far beyond any use, well inside PostgreSQL's intervals.
 MAX_DELAY = timedelta(days=100 * 366)
+
+
+def cannot_hold(field: str, index: int | None = None) -> EventError:
+    """The refusal of an event's ``field`` (``delay`` or ``available_at``) by an outbox
+    that writes to the log, whatever its value."""
+    return EventError(
+        field,
+        "an outbox that writes to the log sends each event once its transaction "
+        "commits and cannot hold one back; use an outbox that writes to its "
+        "tables (write_to='table') for delayed events",
+        index=index,
+    )
 
 
 def check_delay(value: object, available_at: object) -> float:

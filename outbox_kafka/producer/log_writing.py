@@ -19,9 +19,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from outbox_kafka.errors import EventError
 from outbox_kafka.log_frames import FramedEvent, encode_frame
 from outbox_kafka.producer.envelope import EncodedEvent
+from outbox_kafka.producer.event_checks import cannot_hold
 from outbox_kafka.producer.writing import (
     Connectable,
     EnqueueFunctions,
@@ -54,12 +54,9 @@ class LogWriter(OutboxWriter):
         """The emit statement's name and its parameter, the frame of ``encoded``."""
         for index, event in enumerate(encoded):
             if event.available_at is not None or event.delay_seconds is not None:
-                raise EventError(
+                raise cannot_hold(
                     "available_at" if event.available_at is not None else "delay",
-                    "an outbox that writes to the log sends each event once its transaction "
-                    "commits and cannot hold one back; use an outbox that writes to its "
-                    "tables (write_to='table') for delayed events",
-                    index=index if len(encoded) > 1 else None,
+                    index if len(encoded) > 1 else None,
                 )
         frame = encode_frame(
             [FramedEvent(e.event_id, e.key, e.topic, e.type, e.headers, e.value) for e in encoded]

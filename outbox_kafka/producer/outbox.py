@@ -95,6 +95,7 @@ class Outbox:
             json_default=json_default,
             content_mode=check_content_mode(content_mode),
             id_header=check_id_header(id_header),
+            holds=write_to != "log",
         )
         if writer is not None and writer.names != self._names:
             raise ConfigurationError(

@@ -93,6 +93,9 @@ def test_a_frame_carries_the_message_as_encoded(log_engine: sa.Engine, log_url: 
     [
         ({"delay": timedelta(seconds=5)}, "delay"),
         ({"available_at": datetime.now(UTC) + timedelta(minutes=1)}, "available_at"),
+        # Not a timedelta: the log's refusal, not how to write a delay it would refuse.
+        ({"delay": 5}, "delay"),
+        ({"available_at": "in a minute"}, "available_at"),
     ],
 )
 def test_a_delay_is_refused_and_nothing_is_emitted(
