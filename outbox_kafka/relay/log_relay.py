@@ -62,20 +62,15 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_kafka.database import make_engine, redact_url
 from outbox_kafka.log_frames import FramedEvent
-from outbox_kafka.relay.batch import ClaimedEvent, Problem, Verdict
+from outbox_kafka.relay.batch import ClaimedEvent, Verdict
 from outbox_kafka.relay.claim import EventChecks
 from outbox_kafka.relay.config import RelaySettings, redact_kafka_config
 from outbox_kafka.relay.decide import dead_letter_copy, over_topic_limit
 from outbox_kafka.relay.lease import metadata_wait
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
 from outbox_kafka.relay.ports import Message
-from outbox_kafka.relay.send import (
-    METADATA_RETRY_SECONDS,
-    broker_problem,
-    classify,
-    needs_rebuild,
-)
-from outbox_kafka.relay.topic_admin import TopicLimits, create_topic
+from outbox_kafka.relay.send import broker_problem, classify, needs_rebuild
+from outbox_kafka.relay.topic_admin import TopicLimits, TopicLookup
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.stored_headers import message_size
 
@@ -197,10 +192,13 @@ class LogRelay:
         self._metadata_timeout = metadata_wait(settings.lease_seconds)
         #: Each topic's max.message.bytes, where the broker tells it.
         self._limits = TopicLimits(config, self._admin_client, self._metadata_timeout)
-        #: The topics found on the broker, or made, since the last stall.
-        self._known_topics: set[str] = set()
-        #: By topic: when its metadata was last asked for and said neither yes nor no.
-        self._asked_at: dict[str, float] = {}
+        #: Whether each topic is there (or made): asked once, and again after a stall.
+        self._topics = TopicLookup(
+            lambda topic, timeout: self._producer.list_topics(topic, timeout=timeout),
+            self._admin_client,
+            settings.create_topics,
+            self._metadata_timeout,
+        )
         #: The highest end LSN acknowledged since the relay started (the reader's own
         #: count starts again with each session).
         self._acknowledged_lsn = 0
@@ -503,7 +501,7 @@ class LogRelay:
                 (Verdict.PERMANENT, known)
                 if known is not None
                 else self._checks.problem(_as_claimed(event), key)
-                or self._missing_topic(event.topic)
+                or self._topics.problem(event.topic)
                 or over_topic_limit(
                     Message(event.topic, key, event.value, event.headers),
                     self._limits,
@@ -535,47 +533,6 @@ class LogRelay:
         """``events`` of ``entry``'s transaction are not produced: it is read again."""
         entry.failed = True
         entry.remaining -= events
-
-    def _missing_topic(self, topic: str) -> Problem | None:
-        """Why ``topic``, looked up the first time, is not there to send to: missing and
-        topic creation off, or not made (with --create-topics, a missing topic is made).
-        Its event stalls the stream. None when it is there, or the broker does not say."""
-        partitions = self.settings.create_topics
-        if topic in self._known_topics:
-            return None
-        asked = self._asked_at.get(topic)
-        if asked is not None and time.monotonic() - asked < METADATA_RETRY_SECONDS:
-            return None  # asked moments ago without an answer: the send tells
-        self._asked_at[topic] = time.monotonic()
-        try:
-            listed = self._producer.list_topics(topic, timeout=self._metadata_timeout).topics
-        except KafkaException:
-            return None  # the broker is away: the send tells
-        error = listed[topic].error if topic in listed else None
-        missing = topic not in listed or (
-            isinstance(error, KafkaError)
-            and error.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
-        )
-        if not missing:
-            if error is None:
-                self._known_topics.add(topic)
-            return None  # there, or refused otherwise (not granted): the send tells
-        if partitions is None:
-            return (
-                Verdict.HELD,
-                f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
-                "(create it, or run the relay with --create-topics <partitions>)",
-            )
-        try:
-            problem = create_topic(self._admin_client(), topic, partitions)
-        except Exception as exc:  # a timeout, or a request the client refused outright
-            problem = (
-                Verdict.HELD,
-                f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {type(exc).__name__}: {exc}",
-            )
-        if problem is None:
-            self._known_topics.add(topic)
-        return problem
 
     def _wait_for_reports(self) -> None:
         """Serve delivery reports until every message produced has one (or the delivery
@@ -680,7 +637,7 @@ class LogRelay:
         for copy, entry, event, why in copies:
             if entry.abandoned:
                 continue
-            problem = self._missing_topic(copy.topic) or over_topic_limit(
+            problem = self._topics.problem(copy.topic) or over_topic_limit(
                 copy, self._limits, _RAISE_IT
             )
             if problem is None:
@@ -801,8 +758,7 @@ class LogRelay:
         self._abandon(keep_stall=True)
         # An operator may mend what failed: a limit raised, a topic made again.
         self._never.clear()
-        self._known_topics.clear()
-        self._asked_at.clear()
+        self._topics.forget()
         self._rebuild_if_due()
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self.settings.backoff_cap, self._backoff * 2)

@@ -45,7 +45,7 @@ from outbox_kafka.relay.lease import Lease, metadata_wait
 from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.recover import READ_BACK_MARGIN, ReadBackError, Recovery
-from outbox_kafka.relay.topic_admin import TOPIC_LIMIT_SECONDS, TopicLimits, create_topic
+from outbox_kafka.relay.topic_admin import LISTED_BUT_HELD, TopicLimits, TopicLookup
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.config import RelaySettings
@@ -267,13 +267,6 @@ class BatchSender:
 
 log = logging.getLogger("outbox_kafka.publisher")
 
-#: After a failed metadata fetch, topic checks fail fast for this long.
-METADATA_RETRY_SECONDS = 2.0
-
-#: How long a topic found missing (or not granted) is taken to be so, before the
-#: broker is asked again: held keys are looked at every few seconds.
-MISSING_TOPIC_SECONDS = 2.0
-
 #: Batches in a row that timed out, with nothing delivered, while the broker answers
 #: metadata requests, after which the producer is replaced (it may be stuck).
 STALLED_BATCHES = 3
@@ -288,12 +281,7 @@ _PERMANENT_CODES = {
 
 # Errors an operator fixes outside the event (create the topic, grant access):
 # the event's key waits, in order, until then; nothing is discarded.
-_HELD_CODES = {
-    KafkaError._UNKNOWN_TOPIC,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError.TOPIC_AUTHORIZATION_FAILED,
-    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-}
+_HELD_CODES = {KafkaError.UNKNOWN_TOPIC_OR_PART, *LISTED_BUT_HELD}
 
 # Errors a broker gives every message of a record batch (or of a whole produce
 # request) when it refuses the batch: in a delivery report they do not say
@@ -421,25 +409,21 @@ class Publisher:
         # librdkafka's own messages go through logging (served by poll/flush), not to stderr.
         self._config["logger"] = librdkafka_logger()  # type: ignore[assignment]
         self._admin_config = admin_config
-        self._create_partitions = create_partitions
-        self._known_topics: set[str] = set()
-        #: By topic: why it cannot be sent to, and until when that answer is used.
-        self._missing_topics: dict[str, tuple[Problem, float]] = {}
-        #: By topic: (its partition count, when it was read).
-        self._partition_counts: dict[str, tuple[int, float]] = {}
         self._metadata_timeout = metadata_timeout
-        self._metadata_retry_at = 0.0
-        self._metadata_error = ""
         self.max_message_bytes = int(
             producer_config.get("message.max.bytes", KAFKA_MESSAGE_MAX_BYTES)
         )
         #: Guards replacing the producer and making the admin client: several
         #: relay loops (one per outbox) may share this publisher.
         self._lock = threading.Lock()
-        #: Held while a topic unknown so far is looked up (and created).
-        self._topic_lock = threading.Lock()
         self._producer = self._new_producer()
         self._admin: AdminClient | None = None
+        self._topics = TopicLookup(
+            lambda topic, timeout: self._producer.list_topics(topic, timeout=timeout),
+            self._admin_client,
+            create_partitions,
+            metadata_timeout,
+        )
         self._topic_limits = TopicLimits(self._config, self._admin_client, metadata_timeout)
         #: Batches in a row in which nothing was delivered and a message timed out.
         self._stalled_batches = 0
@@ -479,87 +463,13 @@ class Publisher:
     # Topics ---------------------------------------------------------------
 
     def topic_problem(self, topic: str) -> Problem | None:
-        """``(verdict, reason)`` if messages to ``topic`` cannot be sent now."""
-        if topic in self._known_topics:
-            return None
-        # One loop at a time looks a topic up: loops that find it missing together
-        # would each create it, and each log that they did.
-        with self._topic_lock:
-            return self._look_up(topic)
-
-    def _look_up(self, topic: str) -> Problem | None:
-        if topic in self._known_topics:
-            return None  # another loop found it, or created it, meanwhile
-        now = time.monotonic()
-        missing = self._missing_topics.get(topic)
-        if missing is not None and now < missing[1]:
-            return missing[0]
-        if now < self._metadata_retry_at:
-            # The last fetch failed moments ago: do not block on it again per event.
-            return Verdict.RETRIABLE, self._metadata_error
-        try:
-            metadata = self._producer.list_topics(timeout=self._metadata_timeout)
-        except KafkaException as exc:
-            self._metadata_error = f"METADATA_UNAVAILABLE: cannot read topic metadata: {exc}"
-            self._metadata_retry_at = time.monotonic() + METADATA_RETRY_SECONDS
-            return Verdict.RETRIABLE, self._metadata_error
-        for name, meta in metadata.topics.items():
-            if meta.error is None:
-                self._known_topics.add(name)
-                self._partition_counts[name] = (len(meta.partitions), time.monotonic())
-        if topic in self._known_topics:
-            return None
-        problem = self._unavailable(topic, metadata)
-        if problem is not None:
-            self._missing_topics[topic] = (problem, time.monotonic() + MISSING_TOPIC_SECONDS)
-        return problem
-
-    def _unavailable(self, topic: str, metadata: Any) -> Problem | None:
-        """Why ``topic``, not among the topics ``metadata`` lists whole, cannot be
-        sent to: missing (created here with --create-topics) or not granted."""
-        listed = metadata.topics.get(topic)
-        error = listed.error if listed is not None else None
-        if isinstance(error, KafkaError) and error.code() in _HELD_CODES - {
-            KafkaError.UNKNOWN_TOPIC_OR_PART
-        }:
-            # The topic is there, but this relay may not see or write it.
-            return Verdict.HELD, f"{_describe(error)} (topic {topic!r}; its events wait)"
-        if self._create_partitions:
-            return self._create(topic)
-        return (
-            Verdict.HELD,
-            f"UNKNOWN_TOPIC: topic {topic!r} does not exist and topic creation is off "
-            "(create it, or run the relay with --create-topics <partitions>; its events wait)",
-        )
-
-    def _create(self, topic: str) -> Problem | None:
-        assert self._create_partitions is not None
-        problem = create_topic(self._admin_client(), topic, self._create_partitions)
-        if problem is None:
-            self._known_topics.add(topic)
-        return problem
+        """``(verdict, reason)`` if messages to ``topic`` cannot be sent now
+        (:class:`~outbox_kafka.relay.topic_admin.TopicLookup`)."""
+        return self._topics.problem(topic)
 
     def partition_count(self, topic: str) -> int | None:
-        """How many partitions ``topic`` has (read again after a minute, so that
-        partitions an operator adds are used); None when its metadata cannot be read."""
-        now = time.monotonic()
-        cached = self._partition_counts.get(topic)
-        if cached is not None and now - cached[1] < TOPIC_LIMIT_SECONDS:
-            return cached[0]
-        if now < self._metadata_retry_at:
-            # The last fetch failed moments ago: do not block on it again per key.
-            return None if cached is None else cached[0]
-        try:
-            metadata = self._producer.list_topics(topic, timeout=self._metadata_timeout)
-        except KafkaException as exc:
-            self._metadata_error = f"METADATA_UNAVAILABLE: cannot read topic metadata: {exc}"
-            self._metadata_retry_at = time.monotonic() + METADATA_RETRY_SECONDS
-            return None if cached is None else cached[0]
-        listed = metadata.topics.get(topic)
-        if listed is None or listed.error is not None or not listed.partitions:
-            return None if cached is None else cached[0]
-        self._partition_counts[topic] = (len(listed.partitions), now)
-        return len(listed.partitions)
+        """How many partitions ``topic`` has; None when its metadata cannot be read."""
+        return self._topics.partition_count(topic)
 
     def message_limit(self, topic: str) -> int | None:
         """The largest message ``topic`` takes, where the broker tells it
@@ -622,7 +532,7 @@ class Publisher:
             if delivery.verdict == Verdict.HELD:
                 # The topic went away (or its grant) since it was seen: look again,
                 # and create it again where the relay creates topics.
-                self._known_topics.discard(msg.topic)
+                self._topics.forget(msg.topic)
         return deliveries
 
     @staticmethod

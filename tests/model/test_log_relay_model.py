@@ -150,9 +150,12 @@ class Producer:
             raise KafkaException(_error(KafkaError._FATAL, fatal=True))
         self.pending.append((topic, key, value, list(headers or []), on_delivery))
 
-    def list_topics(self, topic: str, timeout: float) -> Any:
-        """Every topic is there."""
-        return SimpleNamespace(topics={topic: SimpleNamespace(error=None, partitions={0: None})})
+    def list_topics(self, topic: str | None, timeout: float) -> Any:
+        """The two topics are there."""
+        listed = (TOPIC, DEAD) if topic is None else (topic,)
+        return SimpleNamespace(
+            topics={name: SimpleNamespace(error=None, partitions={0: None}) for name in listed}
+        )
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.purged)
