@@ -174,3 +174,39 @@ def test_readiness_names_a_fatal_error_until_the_stream_is_read_again(
         worker.join(30)
     assert not worker.is_alive()
     _assert_all_in_commit_order(kafka_bootstrap, topic)
+
+
+def test_a_new_producer_that_cannot_be_made_is_tried_again(
+    log_engine: sa.Engine,
+    log_url: str,
+    kafka_bootstrap: str,
+    new_topic: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The factory refusing once (a broker address that does not resolve yet, say)
+    neither ends the relay nor leaves it with the dead producer: it tries again."""
+    topic = new_topic(1)
+    _write(log_engine, topic)
+    made: list[object] = []
+
+    def factory(config: dict[str, str]) -> object:
+        made.append(config)
+        if len(made) == 1:
+            return FailingProducer(config, 4, "reported")
+        if len(made) == 2:
+            raise KafkaException(KafkaError(KafkaError._INVALID_ARG, "not now"))
+        return Producer(config)
+
+    relay = LogRelay(make_settings(log_url, kafka_bootstrap), producer_factory=factory)
+    caplog.set_level(logging.INFO, logger="outbox_kafka.relay.log")
+    relay.open()
+    try:
+        assert relay.drain(idle=1.0) == EVENTS
+    finally:
+        relay.close()
+    assert len(made) == 3 and relay.rebuilds == 1
+    assert relay.stalled is None and relay.published == EVENTS
+    actions = [getattr(r, "action", None) for r in caplog.records]
+    assert actions.count("rebuild_failed") == 1 and actions.count("rebuild") == 2
+    assert actions.count("producer_fatal") == 1
+    _assert_all_in_commit_order(kafka_bootstrap, topic)
