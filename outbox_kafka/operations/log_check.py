@@ -111,7 +111,7 @@ def _slot(state: Mapping[str, Any], names: TableNames) -> CheckResult:
         )
     reader = "read by a relay now" if state["slot_active"] else "no relay reads it now"
     detail = (
-        f"{slot}: {reader}, holding {_size(state['slot_lag_bytes'])} of WAL, "
+        f"{slot}: {reader}, {_size(state['slot_lag_bytes'])} of WAL not yet acknowledged, "
         f"wal_status {state['slot_wal_status']}"
     )
     if state["slot_wal_status"] == "unreserved":

@@ -62,6 +62,7 @@ def test_before_log_setup_it_names_what_is_missing(bare_log_url: str) -> None:
         lines = _lines(engine)
         assert all(ok for ok, _ in lines.values()), lines
         assert "no relay reads it now" in lines["replication slot"][1]
+        assert " of WAL not yet acknowledged, " in lines["replication slot"][1]
         assert "wal_status reserved" in lines["replication slot"][1]
         assert "no limit" in lines["slot WAL limit"][1]
         if _major(engine) >= 17:
