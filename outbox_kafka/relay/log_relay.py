@@ -148,7 +148,8 @@ class LogRelayMetrics:
         )
         self.slot_lag = Gauge(
             "outbox_log_slot_lag_bytes",
-            "WAL not yet acknowledged: from the slot's confirmed position to the server's current one",
+            "WAL not yet acknowledged: from the slot's confirmed position to the server's "
+            "current one",
             registry=self.registry,
         )
         self.slot_safe_wal = Gauge(
