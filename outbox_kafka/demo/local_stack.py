@@ -138,9 +138,17 @@ def start_local_stack(settings: StackSettings) -> LocalStack:
             f"port {kafka_port} on 127.0.0.1 is taken; choose another broker port "
             "(--kafka-port, 0: any free one)"
         )
-    postgres = start_postgres_on_port(
-        data_dir / "postgres", postgres_port, LOG_MODE_SETTINGS if settings.log_mode else None
-    )
+    try:
+        postgres = start_postgres_on_port(
+            data_dir / "postgres", postgres_port, LOG_MODE_SETTINGS if settings.log_mode else None
+        )
+    except ConfigurationError as exc:
+        if settings.log_mode or "logical replication slot" not in str(exc):
+            raise
+        raise ConfigurationError(
+            f"{exc} (this data directory has a slot of the log mode: start it with "
+            "--log-mode, or use another --data-dir)"
+        ) from None
     broker: EmbeddedBroker | None = None
     try:
         logs = data_dir / "logs"

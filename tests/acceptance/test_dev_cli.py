@@ -108,10 +108,29 @@ def test_dev_keeps_its_data_and_its_ports_between_runs_and_starts_for_the_log_mo
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM kept")).scalar() == 0
             assert conn.execute(sa.text("SHOW wal_level")).scalar() == "logical"
+        with engine.begin() as conn:
+            conn.execute(sa.text("SELECT pg_create_logical_replication_slot('kept', 'pgoutput')"))
         engine.dispose()
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=60) == 0
+
+    # Without --log-mode, a data directory with a logical slot cannot start: said in
+    # the server's words and ours, without the embedded server package's dump.
+    third = subprocess.run(
+        [*CLI, "--data-dir", str(tmp_path / "data"), *ports],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert third.returncode == 2
+    assert (
+        'FATAL: logical replication slot "kept" exists, but "wal_level" < "logical"' in third.stderr
+    )
+    assert "start it with --log-mode, or use another --data-dir" in third.stderr
+    assert "Failed postgres command" not in third.stderr
+    assert not postgres_running(tmp_path / "data" / "postgres")
 
 
 def test_dev_after_a_killed_run_stops_what_it_left_and_starts(tmp_path: Path) -> None:
