@@ -130,7 +130,8 @@ class LogRelayMetrics:
         )
         self.stalls = Counter(
             "outbox_log_stalls",
-            "Times the stream stalled at an event Kafka did not take",
+            "Times the stream stalled at an event Kafka did not take (once per stall, "
+            "however often it is read again until Kafka takes the event)",
             registry=self.registry,
         )
         self.stalled = Gauge(
