@@ -147,7 +147,11 @@ def _check_database(
         if source == "log":
             results += operations.check_log_mode(engine, names)
         try:
-            pending.append(operations.pending_topics(engine, names, outbox=outbox))
+            if source == "log":
+                found = operations.log_pending_topics(engine, names, outbox=outbox, timeout=timeout)
+            else:
+                found = operations.pending_topics(engine, names, outbox=outbox)
+            pending.append(found)
         except OutboxError as exc:
             results.append(operations.CheckResult("pending topics", False, str(exc)))
         return results

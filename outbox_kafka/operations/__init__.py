@@ -20,7 +20,7 @@ from .diagnosis import (
     pending_topics,
 )
 from .events import DiscardedEvent, ParkedKey
-from .log_check import check_log_mode
+from .log_check import check_log_mode, log_pending_topics
 from .purge import (
     DEFAULT_PURGE_BATCH,
     DEFAULT_RETAIN_DELIVERED_SECONDS,
@@ -54,6 +54,7 @@ __all__ = [
     "check_kafka",
     "check_log_mode",
     "check_schemas",
+    "log_pending_topics",
     "outbox_stats",
     "pending_topics",
     "purge",

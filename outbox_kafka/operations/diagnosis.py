@@ -123,6 +123,10 @@ class PendingTopics:
     outbox: str | None = None
     #: Other topics may have fewer events: only the first few are named.
     more_topics: bool = False
+    #: In what order the events were read, when not every one was.
+    read_in: str = "by key"
+    #: Why the pending events were not read at all (nothing to check), or None.
+    unread: str | None = None
 
 
 def pending_topics(
@@ -245,10 +249,12 @@ def _check_pending_topics(
     where = f" [{pending.outbox}]" if pending.outbox else ""
     results: list[CheckResult] = []
     limits = []
-    if not pending.complete:
+    if pending.unread is not None:
+        limits.append(f"not read: {pending.unread}")
+    elif not pending.complete:
         limits.append(
             f"{pending.read} or more events pending: the topics of the first {pending.read} "
-            "(by key) are checked, their counts are lower bounds"
+            f"({pending.read_in}) are checked, their counts are lower bounds"
         )
     if pending.more_topics:
         limits.append(f"the {len(pending.counts)} topics with the most events are checked")

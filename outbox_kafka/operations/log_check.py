@@ -13,24 +13,44 @@
 * ``emit privilege``: ``pg_logical_emit_message`` taken from PUBLIC, or any role of
   the database can put events into the log for the relay to publish.
 
+And :func:`log_pending_topics`: the topics of the events the slot holds, peeked at
+without consuming them, for ``check`` to look for on the broker as it does the
+tables' pending events (the relay stalls at an event for a missing topic).
+
 The lines that say how things stand rather than what is wrong (the WAL limit,
 failover) pass; the detail says what follows from them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from outbox_kafka.errors import OutboxError
+from outbox_kafka.log_frames import FrameError, decode_frame
 from outbox_kafka.naming import TableNames
-from outbox_kafka.operations.diagnosis import CheckResult, reason
+from outbox_kafka.operations.diagnosis import (
+    PENDING_TOPICS_SHOWN,
+    CheckResult,
+    PendingTopics,
+    reason,
+)
 from outbox_kafka.operations.log_setup import FAILOVER_SLOTS_SINCE
+from outbox_kafka.relay.pgoutput import Begin, Commit, Message, decode
 from outbox_kafka.schema.statements import queries_for
 
 _MIB = 1024 * 1024
+
+#: Rows of the slot's stream ``check`` decodes at most (a Begin, a message and a
+#: Commit per transaction of one enqueue): its cost is bounded by this.
+LOG_ROWS_PEEKED = 30_000
+
+#: The server's SQLSTATE for a slot another session reads.
+_OBJECT_IN_USE = "55006"
 
 
 def check_log_mode(engine: Engine, names: TableNames) -> list[CheckResult]:
@@ -188,3 +208,60 @@ def _size(value: int | None) -> str:
     if value < _MIB:
         return f"{max(value, 0) / 1024:.0f} kB"
     return f"{value / _MIB:,.0f} MB"
+
+
+def log_pending_topics(
+    engine: Engine,
+    names: TableNames,
+    *,
+    outbox: str | None = None,
+    timeout: float = 10.0,
+    row_limit: int = LOG_ROWS_PEEKED,
+    topic_limit: int = PENDING_TOPICS_SHOWN,
+) -> PendingTopics:
+    """The topics of the committed events the outbox's slot holds (the first
+    ``row_limit`` rows of its stream, in commit order), peeked at without consuming
+    them. Not read while a relay reads the slot (the server lets one session at a
+    time): the relay finds a missing topic itself. Raises :class:`OutboxError` when
+    the slot cannot be read otherwise (missing, lost: the slot's line says so too)."""
+    queries = queries_for(names)
+    params = {"slot": names.log_slot, "publication": names.log_publication, "rows": row_limit}
+    try:
+        with engine.connect() as conn:
+            conn.execute(queries["statement_timeout"], {"milliseconds": str(int(timeout * 1000))})
+            rows = [bytes(row.data) for row in conn.execute(queries["log_peek"], params)]
+            conn.rollback()
+    except DBAPIError as exc:
+        if getattr(exc.orig, "pgcode", None) == _OBJECT_IN_USE:
+            return PendingTopics({}, 0, True, outbox, unread="a relay reads the slot now")
+        raise OutboxError(f"cannot peek at slot {names.log_slot}: {reason(exc)}") from None
+    except SQLAlchemyError as exc:
+        raise OutboxError(f"cannot peek at slot {names.log_slot}: {reason(exc)}") from None
+    counts: Counter[str] = Counter()
+    events = 0
+    inside = False
+    for payload in rows:
+        decoded = decode(payload)
+        if isinstance(decoded, Begin | Commit):
+            inside = isinstance(decoded, Begin)
+        elif (
+            isinstance(decoded, Message)
+            and inside
+            and decoded.transactional
+            and decoded.prefix == names.log_prefix
+        ):
+            try:
+                framed = decode_frame(decoded.content)
+            except FrameError:
+                continue  # the relay counts it and goes on
+            counts.update(event.topic for event in framed)
+            events += len(framed)
+    shown = dict(counts.most_common(topic_limit))
+    return PendingTopics(
+        counts=shown,
+        read=events,
+        complete=len(rows) < row_limit,
+        outbox=outbox,
+        more_topics=len(counts) > len(shown),
+        read_in="in commit order",
+    )

@@ -17,7 +17,8 @@ from pathlib import Path
 import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
-from tests.log_support import LOG_CHECK_LINES, log_database, log_outbox
+from outbox_kafka.relay.log_reader import LogReader
+from tests.log_support import LOG_CHECK_LINES, NAMES, log_database, log_outbox, read_log
 from tests.relay_support import consume_all, per_key_order
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -200,6 +201,45 @@ def test_check_reports_what_the_log_mode_needs(log_url: str, kafka_bootstrap: st
     assert done.returncode == 1, done.stderr
     # Nothing of the polling relay's retries in the settings line.
     assert lines["settings"][1] == "valid: table public.outbox, delivery timeout 10000 ms"
+
+
+def test_check_looks_for_the_topics_of_the_events_the_slot_holds(
+    log_engine: sa.Engine, log_url: str, kafka_bootstrap: str, new_topic: Callable[..., str]
+) -> None:
+    """The slot is peeked at, not consumed: a topic its events need that the broker
+    lacks fails check, as a missing topic of the tables' pending events does."""
+    there, missing = new_topic(1), f"missing-{uuid.uuid4().hex[:12]}"
+    _emit(log_engine, there, "k", 1, 2)
+    _emit(log_engine, missing, "k", 3, 5)
+    args = [CLI, "check", "--source", "log", "--database-url", log_url]
+    args += ["--bootstrap-servers", kafka_bootstrap, "--check-timeout", "5", "--json"]
+
+    def lines(*extra: str) -> dict[str, tuple[bool, str]]:
+        done = _run([*args, *extra], timeout=60)
+        return {c["name"]: (c["ok"], c["detail"]) for c in json.loads(done.stdout)["checks"]}
+
+    found = lines()
+    assert found[f"topic {there}"] == (True, "exists; 2 pending events")
+    assert found[f"topic {missing}"] == (
+        False,
+        "missing; 3 pending events wait for it (create it, or let the relay create it: "
+        "--create-topics <partitions>)",
+    )
+    assert lines("--create-topics", "1")[f"topic {missing}"] == (
+        True,
+        "missing; the relay creates it (3 pending events)",
+    )
+    # Peeking consumed nothing: the relay publishes all five.
+    reader = LogReader(log_url, NAMES)
+    reader.open()
+    try:
+        # While a relay reads the slot, the server lets nobody else: not read.
+        read_now = lines()
+    finally:
+        reader.close()
+    assert read_now["pending topics"] == (True, "not read: a relay reads the slot now")
+    assert not any(name.startswith("topic ") for name in read_now)
+    assert sum(len(t.events) for t in read_log(log_url)[0]) == 5
 
 
 def test_check_refuses_several_outboxes_as_the_relay_does(

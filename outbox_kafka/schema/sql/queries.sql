@@ -1228,9 +1228,19 @@ BEGIN
 END
 $revoke$;
 
+-- name: log_peek
+-- What the outbox's slot would stream next, without consuming it (check): at most
+-- about :rows rows of pgoutput (protocol 1, logical decoding messages on; the
+-- server ends at the first transaction's end past :rows), each a Begin, a
+-- Message or a Commit. SQLSTATE 55006 while a relay reads the slot.
+SELECT data
+FROM pg_logical_slot_peek_binary_changes(
+    :slot, NULL, :rows,
+    'proto_version', '1', 'publication_names', :publication, 'messages', 'true');
+
 -- name: log_slot_state
--- The outbox's slot as the log mode's relay samples it: the WAL it holds back
--- (bytes from its confirmed position to the server's current one), how much more
+-- The outbox's slot as the log mode's relay samples it: the WAL not yet
+-- acknowledged (bytes from its confirmed position to the server's current one), how much more
 -- WAL may be written before the server gives it up (NULL: no limit,
 -- max_slot_wal_keep_size = -1), and its wal_status (lost: given up). No row: no
 -- such slot.
