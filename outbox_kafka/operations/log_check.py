@@ -40,7 +40,7 @@ from outbox_kafka.operations.diagnosis import (
     reason,
 )
 from outbox_kafka.operations.log_setup import FAILOVER_SLOTS_SINCE
-from outbox_kafka.relay.pgoutput import Begin, Commit, Message, decode
+from outbox_kafka.relay.pgoutput import Begin, Commit, Message, ProtocolError, decode
 from outbox_kafka.schema.statements import queries_for
 
 _MIB = 1024 * 1024
@@ -49,8 +49,9 @@ _MIB = 1024 * 1024
 #: Commit per transaction of one enqueue): its cost is bounded by this.
 LOG_ROWS_PEEKED = 30_000
 
-#: The server's SQLSTATE for a slot another session reads.
+#: The server's SQLSTATEs for a slot another session reads, and a statement timeout.
 _OBJECT_IN_USE = "55006"
+_QUERY_CANCELED = "57014"
 
 
 def check_log_mode(engine: Engine, names: TableNames) -> list[CheckResult]:
@@ -221,19 +222,35 @@ def log_pending_topics(
 ) -> PendingTopics:
     """The topics of the committed events the outbox's slot holds (the first
     ``row_limit`` rows of its stream, in commit order), peeked at without consuming
-    them. Not read while a relay reads the slot (the server lets one session at a
-    time): the relay finds a missing topic itself. Raises :class:`OutboxError` when
-    the slot cannot be read otherwise (missing, lost: the slot's line says so too)."""
+    them, within ``timeout`` seconds.
+
+    Not read (``unread`` says why, and the check's other lines say what is wrong)
+    when the slot cannot be: the server cannot decode, the role may not replicate, the
+    slot is missing or lost, or another session reads it (the server lets one at a
+    time: the relay finds a missing topic itself). The peek itself holds the slot
+    while it runs: a relay that starts meanwhile waits for it, as for another relay.
+    """
     queries = queries_for(names)
     params = {"slot": names.log_slot, "publication": names.log_publication, "rows": row_limit}
+
+    def unread(why: str) -> PendingTopics:
+        return PendingTopics({}, 0, True, outbox, unread=why)
+
     try:
         with engine.connect() as conn:
+            state = conn.execute(queries["log_server_state"], params).mappings().one()
+            why_not = _why_not_peeked(dict(state), names)
+            if why_not is not None:
+                return unread(why_not)
             conn.execute(queries["statement_timeout"], {"milliseconds": str(int(timeout * 1000))})
             rows = [bytes(row.data) for row in conn.execute(queries["log_peek"], params)]
             conn.rollback()
     except DBAPIError as exc:
-        if getattr(exc.orig, "pgcode", None) == _OBJECT_IN_USE:
-            return PendingTopics({}, 0, True, outbox, unread="a relay reads the slot now")
+        code = getattr(exc.orig, "pgcode", None)
+        if code == _OBJECT_IN_USE:
+            return unread("another session reads the slot now (a relay, most likely)")
+        if code == _QUERY_CANCELED:
+            return unread(f"the slot's stream was not decoded within {timeout:g} s")
         raise OutboxError(f"cannot peek at slot {names.log_slot}: {reason(exc)}") from None
     except SQLAlchemyError as exc:
         raise OutboxError(f"cannot peek at slot {names.log_slot}: {reason(exc)}") from None
@@ -241,7 +258,10 @@ def log_pending_topics(
     events = 0
     inside = False
     for payload in rows:
-        decoded = decode(payload)
+        try:
+            decoded = decode(payload)
+        except ProtocolError as exc:
+            raise OutboxError(f"cannot read slot {names.log_slot}'s stream: {exc}") from None
         if isinstance(decoded, Begin | Commit):
             inside = isinstance(decoded, Begin)
         elif (
@@ -265,3 +285,18 @@ def log_pending_topics(
         more_topics=len(counts) > len(shown),
         read_in="in commit order",
     )
+
+
+def _why_not_peeked(state: Mapping[str, Any], names: TableNames) -> str | None:
+    """Why the slot cannot be peeked at, from ``log_server_state``; None if it can."""
+    if state["wal_level"] != "logical":
+        return "the server does not decode its log (wal_level)"
+    if not state["may_replicate"]:
+        return "this role may not read a replication slot"
+    if state["slot_plugin"] is None:
+        return f"slot {names.log_slot} is missing"
+    if state["slot_wal_status"] == "lost":
+        return f"slot {names.log_slot} is lost"
+    if state["slot_active"]:
+        return "another session reads the slot now (a relay, most likely)"
+    return None

@@ -33,7 +33,7 @@ import psycopg2.extras
 from sqlalchemy.engine import make_url
 
 from outbox_kafka.database import normalise_url
-from outbox_kafka.errors import ConfigurationError
+from outbox_kafka.errors import ConfigurationError, OutboxError
 from outbox_kafka.log_frames import FramedEvent, FrameError, decode_frame
 from outbox_kafka.naming import TableNames
 from outbox_kafka.relay.pgoutput import Begin, Commit, Message, ProtocolError, decode
@@ -62,8 +62,8 @@ class LogTransaction(NamedTuple):
     events: list[FramedEvent]
 
 
-class SlotBusy(RuntimeError):
-    """Another session reads the slot now."""
+class SlotBusy(OutboxError):
+    """Another session reads the slot now (a relay, or ``check`` peeking at it)."""
 
 
 class SlotUnusable(ConfigurationError):

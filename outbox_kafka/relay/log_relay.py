@@ -61,6 +61,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_kafka.database import make_engine, redact_url
+from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.batch import ClaimedEvent, Verdict
 from outbox_kafka.relay.claim import EventChecks
@@ -767,7 +768,10 @@ class LogRelay:
 
     def _admin_client(self) -> AdminClient:
         if self._admin is None:
-            self._admin = AdminClient(dict(self.settings.admin_config()))
+            try:
+                self._admin = AdminClient(dict(self.settings.admin_config()))
+            except (KafkaException, ValueError, TypeError) as exc:
+                raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
         return self._admin
 
     def _poll(self, timeout: float) -> None:

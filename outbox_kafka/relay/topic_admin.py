@@ -26,6 +26,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
+from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.relay.batch import Problem, Verdict
 
 log = logging.getLogger("outbox_kafka.publisher")
@@ -138,6 +139,7 @@ class TopicLookup:
         if topic is None:
             self._known.clear()
             self._missing.clear()
+            self._retry_at = 0.0  # asked again at once, whatever the last request did
         else:
             self._known.discard(topic)
 
@@ -175,6 +177,16 @@ class TopicLookup:
         """Why ``topic``, not among the topics ``metadata`` lists whole, cannot be
         sent to: missing (made here with ``create_partitions``) or not granted."""
         listed = metadata.topics.get(topic)
+        if listed is None:
+            # The cluster's list leaves out what this principal may not describe:
+            # asked by name, the broker says whether it is missing or not granted.
+            try:
+                listed = self._list_topics(topic, self._timeout).topics.get(topic)
+            except KafkaException:
+                listed = None
+            if listed is not None and listed.error is None:
+                self._known.add(topic)
+                return None
         error = listed.error if listed is not None else None
         if isinstance(error, KafkaError) and error.code() in LISTED_BUT_HELD:
             # The topic is there, but this relay may not see or write it.
@@ -189,7 +201,13 @@ class TopicLookup:
                 "(create it, or run the relay with --create-topics <partitions>; its "
                 "events wait)",
             )
-        problem = create_topic(self._admin_client(), topic, self._create_partitions)
+        try:
+            admin = self._admin_client()
+        except ConfigurationError:
+            raise  # settings the relay refuses: said as such, not waited on
+        except Exception as exc:
+            return cannot_create(topic, f"{type(exc).__name__}: {exc}")
+        problem = create_topic(admin, topic, self._create_partitions)
         if problem is None:
             self._known.add(topic)
         return problem
@@ -216,6 +234,14 @@ class TopicLookup:
         return len(listed.partitions)
 
 
+def cannot_create(topic: str, why: str) -> Problem:
+    """Why ``topic`` was not made: its events wait (HELD)."""
+    return (
+        Verdict.HELD,
+        f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {why} (its events wait)",
+    )
+
+
 def create_topic(admin: AdminClient, topic: str, partitions: int) -> Problem | None:
     """Create ``topic`` with ``partitions`` partitions (the broker's replication factor);
     None once it exists (made here, or by another process first), else why not: its
@@ -227,18 +253,11 @@ def create_topic(admin: AdminClient, topic: str, partitions: int) -> Problem | N
     except KafkaException as exc:
         err = exc.args[0] if exc.args else None
         if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
-            return (
-                Verdict.HELD,
-                f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {exc} (its events wait)",
-            )
+            return cannot_create(topic, str(exc))
         # Another process created it first: it is there, and that one logged it.
         log.debug("topic already exists", extra={"action": "topic_exists", "topic": topic})
     except Exception as exc:  # a timeout, or a request the client refused outright
-        return (
-            Verdict.HELD,
-            f"CREATE_TOPIC_FAILED: cannot create topic {topic!r}: {type(exc).__name__}: {exc} "
-            "(its events wait)",
-        )
+        return cannot_create(topic, f"{type(exc).__name__}: {exc}")
     else:
         log.info(
             "created topic",

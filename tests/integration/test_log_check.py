@@ -18,7 +18,7 @@ from sqlalchemy.engine import make_url
 
 from outbox_kafka.database import make_engine
 from outbox_kafka.errors import ConfigurationError
-from outbox_kafka.operations import check_log_mode
+from outbox_kafka.operations import check_log_mode, log_pending_topics
 from outbox_kafka.operations.log_setup import set_up_log
 from outbox_kafka.relay.log_reader import SlotUnusable
 from outbox_kafka.relay.log_relay import LogRelay
@@ -186,6 +186,8 @@ def test_a_lost_slot_fails_check_and_producers(lost_slot_engine: sa.Engine) -> N
     fresh.dispose()
     with pytest.raises(ConfigurationError, match="is lost"):
         set_up_log(engine, NAMES)
+    # Nothing to peek at: said once, by the slot's line; the topics' line says why not.
+    assert log_pending_topics(engine, NAMES).unread == f"slot {NAMES.log_slot} is lost"
 
 
 def test_a_lost_slot_fails_the_relay_loudly(
@@ -265,3 +267,33 @@ def test_a_slot_made_again_is_read_and_said_at_once(
         relay.stop()
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_the_peek_counts_the_topics_in_commit_order_and_consumes_nothing(log_url: str) -> None:
+    engine = make_engine(log_url)
+    try:
+        for n, topic in enumerate(["a", "b", "a", "a", "c"], 1):
+            with engine.begin() as conn:
+                log_outbox().enqueue(conn, type="log.test", key="k", data={"n": n}, topic=topic)
+        whole = log_pending_topics(engine, NAMES)
+        assert (whole.counts, whole.read, whole.complete, whole.unread) == (
+            {"a": 3, "b": 1, "c": 1},
+            5,
+            True,
+            None,
+        )
+        assert log_pending_topics(engine, NAMES) == whole  # nothing consumed
+        # A Begin, a message and a Commit per transaction: past 4 rows, the server ends
+        # with the second transaction.
+        first = log_pending_topics(engine, NAMES, row_limit=4)
+        assert (first.counts, first.read, first.complete) == ({"a": 1, "b": 1}, 2, False)
+        assert first.read_in == "in commit order"
+        fewest = log_pending_topics(engine, NAMES, topic_limit=1)
+        assert (fewest.counts, fewest.more_topics) == ({"a": 3}, True)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "SELECT pg_drop_replication_slot(%(slot)s)", {"slot": NAMES.log_slot}
+            )
+        assert log_pending_topics(engine, NAMES).unread == f"slot {NAMES.log_slot} is missing"
+    finally:
+        engine.dispose()

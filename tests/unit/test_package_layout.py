@@ -24,9 +24,10 @@ ALLOWED_ACROSS: dict[str, set[str]] = {
     "relay": set(),
     "schema": set(),
     "contrib": {"producer"},
-    # the relay's retention defaults (so purge and relay agree) and its report of what
-    # is left (so stats and a drain count alike)
-    "operations": {"relay.config", "relay.batch"},
+    # the relay's retention defaults (so purge and relay agree), its report of what
+    # is left (so stats and a drain count alike), and its pgoutput decoder (so check
+    # reads the slot's stream as the relay does)
+    "operations": {"relay.config", "relay.batch", "relay.pgoutput"},
 }
 
 

@@ -19,8 +19,10 @@ from outbox_kafka.relay.topic_admin import (
 
 
 class Cluster:
-    """Metadata of ``topics`` (by name: an error or None); counts the requests and
-    fails them while ``down``."""
+    """Metadata of ``topics`` (by name: an error or None), as a broker gives it: the list
+    of every topic leaves out those listed with an error (a principal sees only what it
+    may describe); asked by name, a topic comes with its error, a missing one with
+    UNKNOWN_TOPIC_OR_PART. Counts the requests and fails them while ``down``."""
 
     def __init__(self, **topics: KafkaError | None) -> None:
         self.topics = dict(topics)
@@ -31,15 +33,15 @@ class Cluster:
         self.asked.append(topic)
         if self.down:
             raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Failed to get metadata"))
-        names = self.topics if topic is None else [topic]
+        if topic is None:
+            listed = {name: None for name, error in self.topics.items() if error is None}
+        else:
+            missing = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+            listed = {topic: self.topics.get(topic, missing)}
         return SimpleNamespace(
             topics={
-                name: SimpleNamespace(
-                    error=self.topics.get(name, KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)),
-                    partitions={0: None, 1: None},
-                )
-                for name in names
-                if name in self.topics or topic is not None
+                name: SimpleNamespace(error=error, partitions={0: None, 1: None})
+                for name, error in listed.items()
             }
         )
 
@@ -89,16 +91,20 @@ def test_a_missing_topic_is_said_and_asked_again_after_a_while(clock: list[float
     assert verdict == Verdict.HELD
     assert reason.startswith("UNKNOWN_TOPIC: topic 'orders' does not exist and topic creation")
     assert topics.problem("orders") == (verdict, reason)
-    assert cluster.asked == [None]
+    assert cluster.asked == [None, "orders"]
     cluster.topics["orders"] = None  # an operator made it
     clock[0] += MISSING_TOPIC_SECONDS
     assert topics.problem("orders") is None
-    assert cluster.asked == [None, None]
+    assert cluster.asked == [None, "orders", None]
 
 
 def test_a_topic_not_granted_waits_with_the_brokers_words(clock: list[float]) -> None:
-    cluster = Cluster(orders=KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
-    verdict, reason = lookup(cluster, partitions=3).problem("orders") or (None, "")
+    """Left out of the list of every topic, it is asked for by name: not granted is not
+    missing, and is not created."""
+    cluster, admin = Cluster(orders=KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)), Admin()
+    verdict, reason = lookup(cluster, admin, partitions=3).problem("orders") or (None, "")
+    assert admin.created == []
+    assert cluster.asked == [None, "orders"]
     assert verdict == Verdict.HELD
     assert reason.startswith("TOPIC_AUTHORIZATION_FAILED: ")
     assert reason.endswith("(topic 'orders'; its events wait)")
@@ -120,6 +126,21 @@ def test_after_a_failed_request_lookups_fail_fast_for_a_while(clock: list[float]
     assert cluster.asked == [None, None]
 
 
+def test_forgetting_every_topic_asks_again_at_once_after_a_failed_request(
+    clock: list[float],
+) -> None:
+    """After a stall, the log relay reads the stream again within the retry window:
+    the broker is asked again, not the failure of moments ago repeated."""
+    cluster = Cluster(orders=None)
+    cluster.down = True
+    topics = lookup(cluster)
+    assert topics.problem("orders") is not None
+    cluster.down = False
+    topics.forget()
+    assert topics.problem("orders") is None
+    assert cluster.asked == [None, None]
+
+
 def test_forgetting_asks_again(clock: list[float]) -> None:
     cluster = Cluster(orders=None)
     topics = lookup(cluster)
@@ -130,7 +151,17 @@ def test_forgetting_asks_again(clock: list[float]) -> None:
     cluster.topics["orders"] = None
     topics.forget()  # every topic, the ones found missing too, at once
     assert topics.problem("orders") is None
-    assert cluster.asked == [None, None, None]
+    assert cluster.asked == [None, None, "orders", None]
+
+
+def test_an_admin_client_that_cannot_be_made_is_a_reason_to_wait(clock: list[float]) -> None:
+    def admin() -> Any:
+        raise KafkaException(KafkaError(KafkaError._INVALID_ARG, "no admin now"))
+
+    topics = TopicLookup(Cluster().list_topics, admin, 3, 0.1)
+    verdict, reason = topics.problem("orders") or (None, "")
+    assert verdict == Verdict.HELD
+    assert reason.startswith("CREATE_TOPIC_FAILED: cannot create topic 'orders': KafkaException")
 
 
 def test_a_missing_topic_is_made_with_create_topics(clock: list[float]) -> None:
@@ -139,7 +170,7 @@ def test_a_missing_topic_is_made_with_create_topics(clock: list[float]) -> None:
     assert topics.problem("orders") is None
     assert topics.problem("orders") is None
     assert admin.created == [("orders", 3)]
-    assert cluster.asked == [None]
+    assert cluster.asked == [None, "orders"]
 
 
 @pytest.mark.parametrize(
