@@ -235,8 +235,13 @@ def test_check_looks_for_the_topics_of_the_events_the_slot_holds(
     try:
         # While a relay reads the slot, the server lets nobody else: not read.
         read_now = lines()
+        # Nor does a draining relay: it says so and exits 2.
+        drained = _run(_args(log_url, kafka_bootstrap, "--drain"), timeout=60)
     finally:
         reader.close()
+    assert drained.returncode == 2
+    assert f"replication slot {NAMES.log_slot} is read by another session" in drained.stderr
+    assert "Traceback" not in drained.stderr
     assert read_now["pending topics"] == (
         True,
         "not read: another session reads the slot now (a relay, most likely)",
