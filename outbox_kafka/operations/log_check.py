@@ -53,6 +53,9 @@ LOG_ROWS_PEEKED = 30_000
 _OBJECT_IN_USE = "55006"
 _QUERY_CANCELED = "57014"
 
+#: Why the slot is not peeked at while another session reads it.
+_SLOT_BUSY = "another session reads the slot now (a relay, most likely)"
+
 
 def check_log_mode(engine: Engine, names: TableNames) -> list[CheckResult]:
     """The log mode's lines for the outbox ``names`` on ``engine``'s server."""
@@ -248,7 +251,7 @@ def log_pending_topics(
     except DBAPIError as exc:
         code = getattr(exc.orig, "pgcode", None)
         if code == _OBJECT_IN_USE:
-            return unread("another session reads the slot now (a relay, most likely)")
+            return unread(_SLOT_BUSY)
         if code == _QUERY_CANCELED:
             return unread(f"the slot's stream was not decoded within {timeout:g} s")
         raise OutboxError(f"cannot peek at slot {names.log_slot}: {reason(exc)}") from None
@@ -298,5 +301,5 @@ def _why_not_peeked(state: Mapping[str, Any], names: TableNames) -> str | None:
     if state["slot_wal_status"] == "lost":
         return f"slot {names.log_slot} is lost"
     if state["slot_active"]:
-        return "another session reads the slot now (a relay, most likely)"
+        return _SLOT_BUSY
     return None

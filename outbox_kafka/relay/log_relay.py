@@ -61,7 +61,6 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_kafka.database import make_engine, redact_url
-from outbox_kafka.errors import ConfigurationError
 from outbox_kafka.log_frames import FramedEvent
 from outbox_kafka.relay.batch import ClaimedEvent, Verdict
 from outbox_kafka.relay.claim import EventChecks
@@ -71,7 +70,7 @@ from outbox_kafka.relay.lease import metadata_wait
 from outbox_kafka.relay.log_reader import LogReader, LogTransaction, SlotBusy, SlotUnusable
 from outbox_kafka.relay.ports import Message
 from outbox_kafka.relay.send import broker_problem, classify, needs_rebuild
-from outbox_kafka.relay.topic_admin import TopicLimits, TopicLookup
+from outbox_kafka.relay.topic_admin import TopicLimits, TopicLookup, admin_client
 from outbox_kafka.schema.statements import queries_for
 from outbox_kafka.stored_headers import message_size
 
@@ -768,10 +767,7 @@ class LogRelay:
 
     def _admin_client(self) -> AdminClient:
         if self._admin is None:
-            try:
-                self._admin = AdminClient(dict(self.settings.admin_config()))
-            except (KafkaException, ValueError, TypeError) as exc:
-                raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
+            self._admin = admin_client(dict(self.settings.admin_config()))
         return self._admin
 
     def _poll(self, timeout: float) -> None:

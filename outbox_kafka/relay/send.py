@@ -45,7 +45,12 @@ from outbox_kafka.relay.lease import Lease, metadata_wait
 from outbox_kafka.relay.observe import RelayObserver
 from outbox_kafka.relay.ports import Delivery, Message, MessagePublisher
 from outbox_kafka.relay.recover import READ_BACK_MARGIN, ReadBackError, Recovery
-from outbox_kafka.relay.topic_admin import LISTED_BUT_HELD, TopicLimits, TopicLookup
+from outbox_kafka.relay.topic_admin import (
+    LISTED_BUT_HELD,
+    TopicLimits,
+    TopicLookup,
+    admin_client,
+)
 
 if TYPE_CHECKING:
     from outbox_kafka.relay.config import RelaySettings
@@ -452,12 +457,8 @@ class Publisher:
     def _admin_client(self) -> AdminClient:
         with self._lock:
             if self._admin is None:
-                try:
-                    # Its messages go through logging too, served by poll().
-                    config = {**self._admin_config, "logger": librdkafka_logger()}
-                    self._admin = AdminClient(config)
-                except (KafkaException, ValueError, TypeError) as exc:
-                    raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
+                # Its messages go through logging too, served by poll().
+                self._admin = admin_client({**self._admin_config, "logger": librdkafka_logger()})
             return self._admin
 
     # Topics ---------------------------------------------------------------

@@ -92,6 +92,15 @@ class TopicLimits:
         return limit
 
 
+def admin_client(config: dict[str, Any]) -> AdminClient:
+    """An admin client with ``config``; :class:`ConfigurationError` for settings the
+    client refuses."""
+    try:
+        return AdminClient(config)
+    except (KafkaException, ValueError, TypeError) as exc:
+        raise ConfigurationError(f"invalid Kafka configuration: {exc}") from None
+
+
 class TopicLookup:
     """``problem(topic)``: why ``topic`` cannot be sent to now, or None; thread-safe.
 
@@ -206,7 +215,7 @@ class TopicLookup:
         except ConfigurationError:
             raise  # settings the relay refuses: said as such, not waited on
         except Exception as exc:
-            return cannot_create(topic, f"{type(exc).__name__}: {exc}")
+            return _cannot_create(topic, f"{type(exc).__name__}: {exc}")
         problem = create_topic(admin, topic, self._create_partitions)
         if problem is None:
             self._known.add(topic)
@@ -234,7 +243,7 @@ class TopicLookup:
         return len(listed.partitions)
 
 
-def cannot_create(topic: str, why: str) -> Problem:
+def _cannot_create(topic: str, why: str) -> Problem:
     """Why ``topic`` was not made: its events wait (HELD)."""
     return (
         Verdict.HELD,
@@ -253,11 +262,11 @@ def create_topic(admin: AdminClient, topic: str, partitions: int) -> Problem | N
     except KafkaException as exc:
         err = exc.args[0] if exc.args else None
         if not (isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
-            return cannot_create(topic, str(exc))
+            return _cannot_create(topic, str(exc))
         # Another process created it first: it is there, and that one logged it.
         log.debug("topic already exists", extra={"action": "topic_exists", "topic": topic})
     except Exception as exc:  # a timeout, or a request the client refused outright
-        return cannot_create(topic, f"{type(exc).__name__}: {exc}")
+        return _cannot_create(topic, f"{type(exc).__name__}: {exc}")
     else:
         log.info(
             "created topic",

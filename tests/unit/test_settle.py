@@ -601,7 +601,7 @@ def test_the_topic_limit_is_not_told_by_a_broker_that_does_not_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A timeout reading the limit once stopped the relay; now the send decides.
-    monkeypatch.setattr("outbox_kafka.relay.send.AdminClient", _SilentAdmin)
+    monkeypatch.setattr("outbox_kafka.relay.topic_admin.AdminClient", _SilentAdmin)
     publisher = Publisher({"bootstrap.servers": "127.0.0.1:1"}, {}, metadata_timeout=0.1)
     try:
         assert publisher.message_limit("t") is None
